@@ -1,0 +1,39 @@
+"""Checks that mgpu_kernel_test hands MGPU_TEST_BACKEND to its two tests.
+
+`//bazel:backend_env_test` (CPU) must see "interpret"; `//bazel:backend_env_test_gpu` must
+see "gpu" and a GPU.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+from bazel.consumer_probe import fill
+
+
+def _expected_backend() -> str:
+    target = os.environ.get("TEST_TARGET", "")
+    return "gpu" if target.endswith("_gpu") else "interpret"
+
+
+class BackendEnvTest(absltest.TestCase):
+    def test_backend_env(self):
+        self.assertEqual(os.environ.get("MGPU_TEST_BACKEND"), _expected_backend())
+
+    def test_devices(self):
+        if _expected_backend() == "gpu":
+            self.assertEqual(jax.default_backend(), "gpu")
+        else:
+            self.assertEqual(jax.default_backend(), "cpu")
+
+    def test_fill_kernel(self):
+        out = fill((8, 128), 3.0)
+        np.testing.assert_array_equal(np.asarray(out), np.full((8, 128), 3.0, np.float32))
+        self.assertEqual(out.dtype, jnp.float32)
+
+
+if __name__ == "__main__":
+    absltest.main()
