@@ -1,0 +1,92 @@
+"""One switch that runs any kernel of this repo in GPU interpret mode on CPU.
+
+Every kernel wrapper passes `interpret_params()` as `interpret=` to
+`plgpu.kernel`. It returns `None` (compile for the GPU) when a GPU is present,
+and `plgpu.InterpretGPUParams` when:
+  * there is no GPU in the process (automatic), or
+  * the environment variable `MGPU_INTERPRET=1` is set, or
+  * the call runs inside `with interpret_mode(...):`.
+`MGPU_INTERPRET=0` forbids interpret mode: without a GPU, kernels then fail
+to compile instead of silently running on CPU. Race detection is on inside
+`interpret_mode(detect_races=True)` (what the tests use) or with
+`MGPU_DETECT_RACES=1`.
+
+The choice is made when a kernel is traced, so a function already traced under
+`jax.jit` keeps the mode it was traced with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from core import device
+
+INTERPRET_ENV = "MGPU_INTERPRET"
+DETECT_RACES_ENV = "MGPU_DETECT_RACES"
+
+_forced: contextvars.ContextVar[plgpu.InterpretGPUParams | bool | None] = contextvars.ContextVar(
+    "mgpu_forced_interpret", default=None)
+
+
+def _env_flag(name: str) -> bool | None:
+  value = os.environ.get(name)
+  if value is None or value == "":
+    return None
+  if value.lower() in ("1", "true", "yes", "on"):
+    return True
+  if value.lower() in ("0", "false", "no", "off"):
+    return False
+  raise ValueError(f"{name}={value!r}: expected 1/true/yes/on or 0/false/no/off")
+
+
+@contextlib.contextmanager
+def interpret_mode(*, detect_races: bool = True):
+  """Runs every kernel of this repo traced inside the block in interpret mode."""
+  token = _forced.set(plgpu.InterpretGPUParams(detect_races=detect_races))
+  try:
+    yield
+  finally:
+    _forced.reset(token)
+
+
+@contextlib.contextmanager
+def interpret_disabled():
+  """Traces kernels for the GPU inside the block, GPU or not (for lowering only)."""
+  token = _forced.set(False)
+  try:
+    yield
+  finally:
+    _forced.reset(token)
+
+
+def interpret_params() -> plgpu.InterpretGPUParams | None:
+  """The `interpret=` argument for `plgpu.kernel` under the current settings."""
+  forced = _forced.get()
+  if forced is False:
+    return None
+  if forced is not None:
+    return forced
+  wanted = _env_flag(INTERPRET_ENV)
+  if wanted is None:
+    wanted = not device.has_gpu()
+  if not wanted:
+    return None
+  return plgpu.InterpretGPUParams(detect_races=bool(_env_flag(DETECT_RACES_ENV)))
+
+
+def is_interpreting() -> bool:
+  """Whether kernels traced now would run in interpret mode."""
+  return interpret_params() is not None
+
+
+def races_found() -> bool:
+  """Whether the race detector flagged a race in the last interpreted kernel."""
+  # The interpreter keeps its race state in a module global, reset at the start
+  # of every kernel that runs with `detect_races=True`.
+  races = gpu_callbacks._races  # noqa: SLF001 - no public accessor in jax 0.11.2.
+  return races is not None and races.races_found

@@ -1,0 +1,101 @@
+"""Memory spaces, scratch allocation and the SMEM layouts that TMA and wgmma need.
+
+Hopper kernels move data GMEM -> SMEM (TMA) -> tensor cores -> registers (the
+wgmma accumulator) -> SMEM -> GMEM (TMA). This module names those spaces once and
+builds the allocations a kernel asks for:
+
+* kernel-lifetime scratch: pass `smem(...)`/`barrier(...)` in `plgpu.kernel`'s
+  `scratch_types`;
+* scoped scratch: pass them as keyword arguments of `pl.run_scoped`;
+* the wgmma accumulator (`accumulator(...)`, memory space REGS) must get its own
+  `pl.run_scoped`: Mosaic GPU refuses REGS allocations mixed with other spaces
+  in one scope.
+
+TMEM exists only on Blackwell; it is named here so that code can say so, and
+`require_space` rejects it for these Hopper kernels.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+GMEM = plgpu.GMEM
+SMEM = plgpu.SMEM
+TMEM = plgpu.TMEM
+REGS = plgpu.REGS
+
+# The swizzle modes of TMA and wgmma, in bytes of one swizzled row segment.
+SWIZZLE_BYTES = (128, 64, 32)
+# Rows of the (8, swizzle) tiles that wgmma operands are laid out in.
+TILE_ROWS = 8
+# TMA moves whole 16-byte units along the minor dimension.
+TMA_MIN_BYTES = 16
+HOPPER_MEMORY_SPACES = (GMEM, SMEM, REGS)
+
+
+def require_space(space: plgpu.MemorySpace, *, what: str) -> None:
+  """Raises `ValueError` if `space` does not exist on Hopper."""
+  if space not in HOPPER_MEMORY_SPACES:
+    raise ValueError(
+        f"{what}: memory space {space} does not exist on Hopper (sm_90); "
+        f"valid spaces are {[str(s) for s in HOPPER_MEMORY_SPACES]}")
+
+
+def swizzle_bytes(minor_dim: int, dtype, *, what: str = "tile") -> int:
+  """The widest swizzle whose row segment divides a tile row of `minor_dim` elements.
+
+  Raises `ValueError` if a row is not a multiple of 32 bytes (the narrowest
+  swizzle), which wgmma operands require.
+  """
+  if minor_dim <= 0:
+    raise ValueError(f"{what}: minor dimension must be positive, got {minor_dim}")
+  row_bytes = minor_dim * jnp.dtype(dtype).itemsize
+  for swizzle in SWIZZLE_BYTES:
+    if row_bytes % swizzle == 0:
+      return swizzle
+  raise ValueError(
+      f"{what}: a row of {minor_dim} x {jnp.dtype(dtype).name} is {row_bytes} bytes; "
+      f"swizzled SMEM tiles need a multiple of {min(SWIZZLE_BYTES)} bytes "
+      f"(minor dimension a multiple of {min(SWIZZLE_BYTES) // jnp.dtype(dtype).itemsize})")
+
+
+def swizzle_elems(minor_dim: int, dtype, *, what: str = "tile") -> int:
+  """Elements in one swizzled row segment: GMEM dims TMA tiles must divide."""
+  return swizzle_bytes(minor_dim, dtype, what=what) // jnp.dtype(dtype).itemsize
+
+
+def tile_transforms(minor_dim: int, dtype, *, what: str = "tile") -> tuple:
+  """The (tiling, swizzle) transforms for an SMEM tile read by TMA and wgmma.
+
+  Args:
+    minor_dim: elements along the tile's minor (contiguous) dimension.
+    dtype: element type of the tile.
+    what: name of the tile for error messages.
+  """
+  swizzle = swizzle_bytes(minor_dim, dtype, what=what)
+  return (plgpu.TilingTransform((TILE_ROWS, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def smem(shape: tuple[int, ...], dtype, *, swizzled: bool = False):
+  """An SMEM allocation; `swizzled=True` lays it out for TMA + wgmma."""
+  if any(d <= 0 for d in shape):
+    raise ValueError(f"SMEM shape must be positive, got {shape}")
+  transforms = tile_transforms(shape[-1], dtype) if swizzled else ()
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def accumulator(shape: tuple[int, int]):
+  """A float32 wgmma accumulator in registers (its own `pl.run_scoped`!)."""
+  m, n = shape
+  if m % 64 or n % 8:
+    raise ValueError(f"wgmma accumulator must be (64k, 8j), got {shape}")
+  return plgpu.ACC(shape, jnp.float32)
+
+
+def barrier(*, num_barriers: int = 1, num_arrivals: int = 1):
+  """SMEM mbarriers: TMA completion or cross-warpgroup signalling."""
+  if num_barriers < 1 or num_arrivals < 1:
+    raise ValueError(f"{num_barriers=} and {num_arrivals=} must be >= 1")
+  return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=num_barriers)

@@ -1,0 +1,113 @@
+"""The shared base of this repo's kernel tests (never imported by kernel code).
+
+One test file runs in two places: on CPU in GPU interpret mode with race
+detection (`MGPU_TEST_BACKEND=interpret`, the CI run) and on a real Hopper GPU
+(`MGPU_TEST_BACKEND=gpu`). Unset, the backend follows the machine. A GPU run on
+a machine without a Hopper GPU skips every test and says why.
+
+Habits enforced here: inputs are random normal from a fixed key per test,
+never zeros; outputs start poisoned (NaN), so an element the kernel never
+writes fails the comparison; errors are relative to a float32 reference, with
+one tolerance per operand dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+from absl.testing import parameterized
+
+from core import device, interpret
+from core.numerics import RELATIVE_TOLERANCE, relative_error
+
+BACKEND_ENV = "MGPU_TEST_BACKEND"
+INTERPRET, GPU = "interpret", "gpu"
+
+def backend() -> str:
+  """The backend this test process runs kernels on: "interpret" or "gpu"."""
+  value = os.environ.get(BACKEND_ENV, "")
+  if value not in ("", INTERPRET, GPU):
+    raise ValueError(f"{BACKEND_ENV}={value!r}: expected {INTERPRET!r} or {GPU!r}")
+  return value or (GPU if device.has_gpu() else INTERPRET)
+
+
+def hopper_gpu_count() -> int:
+  if not device.has_gpu():
+    return 0
+  return sum(device.device_facts(d).is_hopper for d in jax.devices("gpu"))
+
+
+def random_array(seed: int, shape, dtype, *, scale: float = 1.0) -> jax.Array:
+  """Random normal values (never all zeros) from a fixed `seed`."""
+  values = scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  return values.astype(dtype)
+
+
+def poison_device_allocator(nbytes: int) -> None:
+  """Fills and frees `nbytes` of GPU memory with NaN so a fresh output buffer
+  (which the allocator hands out from that freed memory) starts poisoned.
+
+  Interpret mode needs no help: it fills every new buffer with NaN itself.
+  """
+  if backend() != GPU:
+    return
+  poison = jnp.full((max(nbytes // 4, 1) + 1024,), jnp.nan, jnp.float32)
+  poison.block_until_ready()
+  poison.delete()
+
+
+class KernelTestCase(parameterized.TestCase):
+  """Base for kernel tests: picks the backend, skips without the hardware,
+  and checks every interpreted kernel for races."""
+
+  min_gpus = 1
+
+  def setUp(self):
+    super().setUp()
+    self.backend = backend()
+    if self.backend == GPU:
+      count = hopper_gpu_count()
+      if count < self.min_gpus:
+        self.skipTest(
+            f"{BACKEND_ENV}=gpu needs {self.min_gpus} Hopper GPU(s) (sm_90); this machine "
+            f"has {count}. Run these tests on an H100/H200 host.")
+    else:
+      self.enter_context(interpret.interpret_mode(detect_races=True))
+
+  def run_kernel(self, fn, *args, out_bytes: int = 0, **kwargs):
+    """Calls `fn`, waits for it, and fails on a race the interpreter saw."""
+    poison_device_allocator(out_bytes)
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    if self.backend == INTERPRET:
+      self.assertFalse(interpret.races_found(), "race detector flagged the kernel")
+    return out
+
+  def assert_close(self, out, ref, *, dtype, tolerance: float | None = None):
+    """Relative error of `out` against the float32 `ref` within the dtype's tolerance."""
+    tol = RELATIVE_TOLERANCE[jnp.dtype(dtype)] if tolerance is None else tolerance
+    err = relative_error(out, ref)
+    self.assertLessEqual(
+        err, tol, f"relative error {err:.3e} > {tol:.1e} ({jnp.dtype(dtype).name})")
+
+
+
+def mosaic_smem_bytes(fn, *args) -> int:
+  """The SMEM bytes Mosaic GPU itself allocates for the kernel `fn(*args)`.
+
+  Lowers `fn` for CUDA (this works on CPU, no GPU needed) under an artificial
+  SMEM limit of zero and reads the size from Mosaic GPU's refusal.
+  """
+  from jax.experimental.mosaic.gpu import core as mgpu_core  # Private in 0.11.2.
+
+  with interpret.interpret_disabled(), mgpu_core.artificial_shared_memory_limit(0):
+    try:
+      jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    except ValueError as e:
+      match = re.search(r"smem_bytes=(\d+)", str(e))
+      if match:
+        return int(match.group(1))
+      raise
+  raise AssertionError("Mosaic GPU accepted a zero SMEM limit: no SMEM used?")

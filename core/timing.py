@@ -1,0 +1,62 @@
+"""GPU timing for benchmarks and autotuning: warm-up, then CUPTI kernel times.
+
+Only the device time of the kernels a call launches is counted (Mosaic GPU's
+CUPTI profiler), not host dispatch, so a kernel and its baseline (cuBLAS through
+`jnp.dot`, NCCL collectives) are compared on equal terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+DEFAULT_ITERATIONS = 50
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timing:
+  """One benchmarked function: compile time, per-run times, median, rate."""
+
+  name: str
+  config: str
+  compile_s: float
+  times_us: tuple[float, ...]
+  flops: int
+
+  @property
+  def median_us(self) -> float:
+    return statistics.median(self.times_us)
+
+  @property
+  def tflops(self) -> float:
+    return self.flops / (self.median_us * 1e-6) / 1e12
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.update(median_us=self.median_us, tflops=self.tflops)
+    return d
+
+
+def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str = "",
+             iterations: int = DEFAULT_ITERATIONS) -> tuple[Timing, jax.Array]:
+  """Compiles and warms `fn(*args)` up, then measures `iterations` runs.
+
+  Returns the timing and the output of the warm-up call (for checking).
+  """
+  from jax.experimental.mosaic.gpu import profiler  # Needs CUDA; import late.
+
+  jitted = jax.jit(fn)
+  start = time.perf_counter()
+  out = jax.block_until_ready(jitted(*args))
+  compile_s = time.perf_counter() - start
+  for _ in range(3):
+    jax.block_until_ready(jitted(*args))
+  _, runtimes_ms = profiler.measure(jitted, iterations=iterations)(*args)
+  if runtimes_ms is None:
+    raise RuntimeError(f"{name}: no GPU kernel was launched")
+  return Timing(name=name, config=config, compile_s=compile_s,
+                times_us=tuple(t * 1e3 for t in runtimes_ms), flops=flops), out
