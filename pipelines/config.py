@@ -1,0 +1,181 @@
+"""Configs of the matmul kernels: frozen, keyword-only, hashable, validated when built.
+
+Each config checks what it can know alone (positive tiles, multiples the
+hardware needs); the wrappers check it against the problem and the SMEM budget
+(`smem_budget(...)` here) before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax.numpy as jnp
+
+from core import PipelineOptions, SmemBudget, SmemBuffer, swizzle_bytes
+
+# wgmma: one warpgroup computes a (64k, n) tile with n a multiple of 8, n <= 256.
+WGMMA_M = 64
+WGMMA_N_MULTIPLE = 8
+WGMMA_MAX_N = 256
+# One wgmma consumes 16 elements of K per instruction (16-bit operands).
+K_MULTIPLE = 16
+OPERAND_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+# The compute warpgroups of the warp-specialized kernel (plus one memory warpgroup).
+NUM_COMPUTE_WGS = 2
+
+
+class MatmulDimension(enum.IntEnum):
+  """An output dimension: which one the grid walks fastest, or the compute
+  warpgroups split."""
+
+  M = 0
+  N = 1
+
+  def __repr__(self) -> str:
+    return f"MatmulDimension.{self.name}"
+
+
+def _check_positive_multiple(name: str, value: int, multiple: int) -> None:
+  if not isinstance(value, int) or value <= 0 or value % multiple:
+    raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}")
+
+
+def _check_tiles(tile_m: int, tile_n: int, tile_k: int) -> None:
+  _check_positive_multiple("tile_m", tile_m, WGMMA_M)
+  _check_positive_multiple("tile_n", tile_n, WGMMA_N_MULTIPLE)
+  _check_positive_multiple("tile_k", tile_k, K_MULTIPLE)
+  if tile_n > WGMMA_MAX_N:
+    raise ValueError(f"tile_n={tile_n} exceeds the wgmma maximum of {WGMMA_MAX_N}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelinedConfig:
+  """The `emit_pipeline` matmul: one warpgroup per (tile_m, tile_n) output tile.
+
+  Attributes:
+    tile_m, tile_n, tile_k: block of the output and the K step.
+    max_concurrent_steps: SMEM slots per operand (clamped to the K steps).
+    delay_release: wgmma groups left in flight per step (0 or 1).
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  delay_release: int = 1
+
+  def __post_init__(self):
+    _check_tiles(self.tile_m, self.tile_n, self.tile_k)
+    self.pipeline  # Validates the depth against delay_release.  # noqa: B018
+
+  @property
+  def pipeline(self) -> PipelineOptions:
+    return PipelineOptions(max_concurrent_steps=self.max_concurrent_steps,
+                           delay_release=self.delay_release)
+
+  def smem_budget(self, k: int, dtype, out_dtype) -> SmemBudget:
+    steps = self.pipeline.steps_for(k // self.tile_k)
+    return SmemBudget(
+        phases=(
+            # The K loop, then the epilogue in a scope of its own.
+            (SmemBuffer(name="lhs_smem", shape=(self.tile_m, self.tile_k), dtype=dtype,
+                        copies=steps),
+             SmemBuffer(name="rhs_smem", shape=(self.tile_k, self.tile_n), dtype=dtype,
+                        copies=steps)),
+            (SmemBuffer(name="out_smem", shape=(self.tile_m, self.tile_n), dtype=out_dtype),),
+        ),
+        num_barriers=steps,  # One TMA-completion barrier per slot.
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TuningConfig:
+  """The warp-specialized persistent matmul.
+
+  Two compute warpgroups each own a (tile_m, tile_n) accumulator; together they
+  cover a CTA tile that is twice as large along `wg_dimension`. A third
+  warpgroup only issues TMA loads.
+
+  Attributes:
+    tile_m, tile_n, tile_k: per-warpgroup output tile and the K step.
+    max_concurrent_steps: SMEM slots per operand.
+    epi_tile_m, epi_tile_n: the epilogue stores the accumulator through SMEM in
+      tiles of this size (double-buffered), so the next tile's loads can use
+      the SMEM the epilogue does not hold.
+    grid_minor_dim: the output dimension consecutive tiles advance along.
+    grid_tile_width: tiles along `grid_minor_dim` before stepping the other
+      dimension (a band this wide shares operands in L2).
+    wg_dimension: the dimension the two compute warpgroups split.
+  """
+
+  tile_m: int = 128
+  tile_n: int = 128
+  tile_k: int = 64
+  max_concurrent_steps: int = 4
+  epi_tile_m: int = 64
+  epi_tile_n: int = 64
+  grid_minor_dim: MatmulDimension = MatmulDimension.M
+  grid_tile_width: int = 8
+  wg_dimension: MatmulDimension = MatmulDimension.N
+
+  def __post_init__(self):
+    _check_tiles(self.tile_m, self.tile_n, self.tile_k)
+    PipelineOptions(max_concurrent_steps=self.max_concurrent_steps, delay_release=0)
+    _check_positive_multiple("epi_tile_m", self.epi_tile_m, WGMMA_M)
+    _check_positive_multiple("epi_tile_n", self.epi_tile_n, WGMMA_N_MULTIPLE)
+    if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
+      raise ValueError(
+          f"epilogue tile ({self.epi_tile_m}, {self.epi_tile_n}) must divide the "
+          f"warpgroup tile ({self.tile_m}, {self.tile_n})")
+    if not isinstance(self.grid_tile_width, int) or self.grid_tile_width < 1:
+      raise ValueError(f"grid_tile_width={self.grid_tile_width!r} must be an int >= 1")
+    for name in ("grid_minor_dim", "wg_dimension"):
+      if not isinstance(getattr(self, name), MatmulDimension):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be a MatmulDimension")
+
+  @property
+  def cta_tile_m(self) -> int:
+    return self.tile_m * (NUM_COMPUTE_WGS if self.wg_dimension == MatmulDimension.M else 1)
+
+  @property
+  def cta_tile_n(self) -> int:
+    return self.tile_n * (NUM_COMPUTE_WGS if self.wg_dimension == MatmulDimension.N else 1)
+
+  @property
+  def epilogue_slots(self) -> int:
+    """SMEM staging slots per warpgroup: 2 lets one store drain while the next fills."""
+    return min(2, (self.tile_m // self.epi_tile_m) * (self.tile_n // self.epi_tile_n))
+
+  def smem_budget(self, k: int, dtype, out_dtype, *, has_bias: bool = False) -> SmemBudget:
+    """SMEM this config allocates for K = `k` (all of it alive at once)."""
+    steps = min(self.max_concurrent_steps, k // self.tile_k)
+    buffers = [
+        SmemBuffer(name="lhs_smem", shape=(self.cta_tile_m, self.tile_k), dtype=dtype,
+                   copies=steps),
+        SmemBuffer(name="rhs_smem", shape=(self.tile_k, self.cta_tile_n), dtype=dtype,
+                   copies=steps),
+        SmemBuffer(name="out_smem", shape=(self.epi_tile_m, self.epi_tile_n),
+                   dtype=out_dtype, copies=NUM_COMPUTE_WGS * self.epilogue_slots),
+    ]
+    if has_bias:
+      buffers.append(SmemBuffer(name="bias_smem", shape=(self.tile_n,), dtype=out_dtype,
+                                copies=NUM_COMPUTE_WGS))
+    # Per slot, a "loaded" barrier (TMA done) and a "consumed" one (compute
+    # warpgroups done); per compute warpgroup one for its bias load.
+    return SmemBudget(phases=(tuple(buffers),),
+                      num_barriers=2 * steps + (NUM_COMPUTE_WGS if has_bias else 0))
+
+
+def check_operand_dtype(name: str, dtype) -> jnp.dtype:
+  dtype = jnp.dtype(dtype)
+  if dtype not in OPERAND_DTYPES:
+    raise ValueError(f"{name}.dtype={dtype.name} is not supported; use one of "
+                     f"{[d.name for d in OPERAND_DTYPES]}")
+  return dtype
+
+
+def check_swizzle(config, dtype) -> None:
+  """Raises if a tile row cannot be swizzled for TMA + wgmma."""
+  swizzle_bytes(config.tile_k, dtype, what="lhs tile (tile_k)")
+  swizzle_bytes(getattr(config, "cta_tile_n", config.tile_n), dtype, what="rhs tile (tile_n)")

@@ -1,0 +1,109 @@
+"""`matmul`: the library's public matmul, backed by the warp-specialized kernel.
+
+It validates the operands, picks a config (explicit, from the tuning cache, or
+a heuristic), and supports `jax.jit`, `jax.vmap` and use inside
+`jax.shard_map` (per-device shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import custom_batching
+
+from pipelines import operands, tuning_cache, ws_matmul_sm90
+from pipelines.config import MatmulDimension, TuningConfig
+from pipelines.epilogue import Epilogue
+
+CACHE_MISS_MODES = ("heuristic", "tune", "error")
+
+
+def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
+  """A sound config without tuning.
+
+  The sweeps on an H200 (PERFORMANCE.md) favour a 128x256 CTA tile made of two
+  64x256 warpgroup tiles (the widest wgmma) split along M, 3-4 stages and
+  64x128 epilogue tiles; narrow problems get narrower tiles, and fewer stages
+  are used where SMEM is short.
+  """
+  tile_n = 256 if problem.n > 128 else 128
+  # Stages hide load latency, so give up epilogue width before stages.
+  for steps, epi_tile_n in ((4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
+    config = TuningConfig(tile_m=64, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
+                          epi_tile_m=64, epi_tile_n=epi_tile_n, grid_minor_dim=MatmulDimension.M,
+                          grid_tile_width=8, wg_dimension=MatmulDimension.M)
+    if config.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits():
+      return config
+  raise AssertionError("unreachable: two stages of 128x256 tiles always fit")
+
+
+def choose_config(problem: operands.MatmulProblem, out_dtype, *,
+                  on_cache_miss: str = "heuristic", lhs=None, rhs=None) -> TuningConfig:
+  """The cached config for `problem`, or what `on_cache_miss` says to do."""
+  if on_cache_miss not in CACHE_MISS_MODES:
+    raise ValueError(f"on_cache_miss={on_cache_miss!r} must be one of {CACHE_MISS_MODES}")
+  cached = tuning_cache.lookup(problem, out_dtype)
+  if cached is not None:
+    return cached
+  match on_cache_miss:
+    case "error":
+      raise LookupError(f"no tuned config for {tuning_cache.cache_key(problem, out_dtype)}; "
+                        "run //tools:autotune_matmul for this shape")
+    case "tune":
+      from pipelines import autotune  # noqa: PLC0415 - only needed on this path.
+      return autotune.tune(lhs, rhs, out_dtype=out_dtype, store=True)[0].config
+  return default_config(problem, out_dtype)
+
+
+def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
+           activation: str = "none", out_dtype=None, config: TuningConfig | None = None,
+           on_cache_miss: str = "heuristic") -> jax.Array:
+  """`activation(lhs @ rhs + bias)` on Hopper, fused in one kernel.
+
+  Args:
+    lhs: (M, K) float16 or bfloat16. M is arbitrary (edge tiles are masked).
+    rhs: (K, N), same dtype. N is arbitrary; K a multiple of 16 and of the
+      config's tile_k.
+    bias: optional (N,), added in float32 before the activation.
+    activation: "none", "relu", "gelu" (tanh approximation) or "silu".
+    out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+    config: a `TuningConfig`; by default the tuning cache's entry for this
+      GPU, jax version and shape, else what `on_cache_miss` says:
+      "heuristic" (default), "tune" (sweep now, on a GPU) or "error".
+
+  Returns:
+    (M, N) array of `out_dtype`. Under `jax.vmap`, a batched `lhs` with an
+    unbatched `rhs` runs as one (B*M, K) matmul; other batchings loop.
+  """
+  problem = operands.check_operands(lhs, rhs)
+  out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
+  if config is None:
+    config = choose_config(problem, out_dtype, on_cache_miss=on_cache_miss, lhs=lhs, rhs=rhs)
+  epilogue = Epilogue(activation=activation, has_bias=bias is not None)
+  return _make_batchable(config, epilogue, out_dtype)(lhs, rhs, bias)
+
+
+@functools.cache
+def _make_batchable(config: TuningConfig, epilogue: Epilogue, out_dtype):
+  @custom_batching.custom_vmap
+  def run(lhs, rhs, bias):
+    return ws_matmul_sm90.ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue,
+                                    out_dtype=out_dtype)
+
+  @run.def_vmap
+  def _vmap_rule(axis_size, in_batched, lhs, rhs, bias):
+    lhs_b, rhs_b, bias_b = in_batched
+    if lhs_b and not rhs_b and not bias_b:
+      # One matmul over the stacked rows keeps a single kernel launch.
+      batch, m, k = lhs.shape
+      out = run(lhs.reshape(batch * m, k), rhs, bias)
+      return out.reshape(batch, m, -1), True
+    lhs = lhs if lhs_b else jnp.broadcast_to(lhs, (axis_size, *lhs.shape))
+    rhs = rhs if rhs_b else jnp.broadcast_to(rhs, (axis_size, *rhs.shape))
+    if bias is not None and not bias_b:
+      bias = jnp.broadcast_to(bias, (axis_size, *bias.shape))
+    return jax.lax.map(lambda xs: run(*xs), (lhs, rhs, bias)), True
+
+  return run

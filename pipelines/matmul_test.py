@@ -1,0 +1,184 @@
+"""The matmul kernels against a float32 reference, in interpret mode and on a GPU."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from core import testing
+from pipelines import (
+    Epilogue,
+    MatmulDimension,
+    PipelinedConfig,
+    TuningConfig,
+    matmul,
+    matmul_reference,
+    pipelined_matmul,
+    ws_matmul,
+)
+
+DTYPES = (jnp.float16, jnp.bfloat16)
+# Small configs keep the interpreter fast; the GPU runs the same code paths at
+# real sizes below.
+SMALL_PIPELINED = PipelinedConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
+SMALL_WS = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                        epi_tile_m=64, epi_tile_n=32, grid_tile_width=2)
+
+
+def operands(seed, m, k, n, dtype):
+  return (testing.random_array(seed, (m, k), dtype), testing.random_array(seed + 1, (k, n), dtype))
+
+
+class PipelinedMatmulTest(testing.KernelTestCase):
+
+  @parameterized.product(dtype=DTYPES, shape=[(128, 256, 128), (192, 128, 136)])
+  def test_matches_reference(self, dtype, shape):
+    m, k, n = shape
+    lhs, rhs = operands(0, m, k, n, dtype)
+    out = self.run_kernel(pipelined_matmul, lhs, rhs, config=SMALL_PIPELINED,
+                          out_bytes=m * n * 2)
+    self.assertEqual(out.dtype, dtype)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=dtype)
+
+  @parameterized.product(delay_release=[0, 1], steps=[2, 3], out_dtype=[None, jnp.float32])
+  def test_pipeline_knobs(self, delay_release, steps, out_dtype):
+    if delay_release >= steps:
+      self.skipTest("invalid combination, covered by the validation test")
+    config = dataclasses.replace(SMALL_PIPELINED, delay_release=delay_release,
+                                 max_concurrent_steps=steps)
+    lhs, rhs = operands(1, 64, 256, 64, jnp.float16)
+    out = self.run_kernel(pipelined_matmul, lhs, rhs, config=config, out_dtype=out_dtype)
+    self.assertEqual(out.dtype, out_dtype or jnp.float16)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+  def test_real_size(self):
+    if self.backend != testing.GPU:
+      self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
+    lhs, rhs = operands(2, 4096, 4096, 4096, jnp.float16)
+    for config in (PipelinedConfig(), PipelinedConfig(tile_n=256, max_concurrent_steps=3)):
+      out = self.run_kernel(pipelined_matmul, lhs, rhs, config=config, out_bytes=4096 * 4096 * 2)
+      self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+
+class WarpSpecializedMatmulTest(testing.KernelTestCase):
+
+  @parameterized.product(dtype=DTYPES, wg_dimension=list(MatmulDimension),
+                         grid_minor_dim=list(MatmulDimension))
+  def test_matches_reference(self, dtype, wg_dimension, grid_minor_dim):
+    config = dataclasses.replace(SMALL_WS, wg_dimension=wg_dimension,
+                                 grid_minor_dim=grid_minor_dim)
+    lhs, rhs = operands(3, 256, 128, 256, dtype)
+    out = self.run_kernel(ws_matmul, lhs, rhs, config=config, out_bytes=256 * 256 * 2)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=dtype)
+
+  @parameterized.product(activation=["none", "relu", "gelu", "silu"], has_bias=[False, True])
+  def test_fused_epilogue(self, activation, has_bias):
+    lhs, rhs = operands(4, 128, 128, 192, jnp.bfloat16)
+    bias = testing.random_array(6, (192,), jnp.bfloat16) if has_bias else None
+    epilogue = Epilogue(activation=activation, has_bias=has_bias)
+    out = self.run_kernel(ws_matmul, lhs, rhs, bias, config=SMALL_WS, epilogue=epilogue,
+                          out_dtype=jnp.float32)
+    self.assertEqual(out.dtype, jnp.float32)
+    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue),
+                      dtype=jnp.bfloat16)
+
+  @parameterized.parameters((200, 128, 136), (64, 64, 40), (130, 192, 248))
+  def test_ragged_m_and_n_are_masked(self, m, k, n):
+    lhs, rhs = operands(7, m, k, n, jnp.float16)
+    out = self.run_kernel(matmul, lhs, rhs, config=SMALL_WS, out_bytes=m * n * 2)
+    self.assertEqual(out.shape, (m, n))
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+  def test_real_sizes_and_epilogues(self):
+    if self.backend != testing.GPU:
+      self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
+    for (m, k, n), activation in (((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu"),
+                                  ((8192, 1024, 2048), "silu"), ((1024, 2048, 1024), "relu")):
+      lhs, rhs = operands(8, m, k, n, jnp.bfloat16)
+      bias = testing.random_array(9, (n,), jnp.bfloat16)
+      out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation,
+                            out_bytes=m * n * 2)
+      ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
+                                                               has_bias=True))
+      self.assert_close(out, ref, dtype=jnp.bfloat16)
+
+
+class MatmulApiTest(testing.KernelTestCase):
+
+  def test_jit_and_vmap(self):
+    lhs = testing.random_array(10, (3, 64, 128), jnp.float16)
+    rhs = testing.random_array(11, (128, 64), jnp.float16)
+    run = jax.jit(jax.vmap(functools.partial(matmul, config=SMALL_WS), in_axes=(0, None)))
+    out = self.run_kernel(run, lhs, rhs)
+    self.assert_close(out, jnp.einsum("bmk,kn->bmn", lhs.astype(jnp.float32),
+                                      rhs.astype(jnp.float32)), dtype=jnp.float16)
+    rhs_batch = testing.random_array(12, (3, 128, 64), jnp.float16)
+    out = self.run_kernel(jax.vmap(functools.partial(matmul, config=SMALL_WS)), lhs, rhs_batch)
+    self.assert_close(out, jnp.einsum("bmk,bkn->bmn", lhs.astype(jnp.float32),
+                                      rhs_batch.astype(jnp.float32)), dtype=jnp.float16)
+
+  def test_inside_shard_map(self):
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
+    lhs, rhs = operands(13, 128, 128, 128, jnp.float16)
+    spec = jax.sharding.PartitionSpec
+    run = jax.shard_map(functools.partial(matmul, config=SMALL_WS), mesh=mesh,
+                        in_specs=(spec("x", None), spec()), out_specs=spec("x", None))
+    out = self.run_kernel(jax.jit(run), lhs, rhs)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+  def test_heuristic_config_is_valid_for_the_suite(self):
+    from pipelines import default_config
+    from pipelines import operands as ops
+    for m, k, n in ((1024, 4096, 4096), (8192, 8192, 1024), (16384, 1024, 8192), (256, 64, 64)):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
+      config = default_config(problem, jnp.float16)
+      self.assertTrue(config.smem_budget(k, jnp.float16, jnp.float16, has_bias=True).fits())
+
+
+class BadInputTest(parameterized.TestCase):
+  """Errors come from our checks, before tracing or compiling anything."""
+
+  def test_operand_errors(self):
+    a = jnp.zeros((128, 64), jnp.float16)
+    cases = [
+        ((a, jnp.zeros((128, 64), jnp.float16)), "K of lhs and rhs differ"),
+        ((a, jnp.zeros((64, 64), jnp.bfloat16)), "dtypes differ"),
+        ((a.astype(jnp.float32), jnp.zeros((64, 64), jnp.float32)), "lhs.dtype=float32"),
+        ((a[None], jnp.zeros((64, 64), jnp.float16)), "lhs must be 2-D"),
+        ((jnp.zeros((128, 40), jnp.float16), jnp.zeros((40, 64), jnp.float16)),
+         "multiple of 16"),
+        ((a, jnp.zeros((64, 60), jnp.float16)), "N=60 must be a multiple of 8"),
+    ]
+    for fn in (matmul, pipelined_matmul):
+      for args, message in cases:
+        with self.assertRaisesRegex(ValueError, message):
+          fn(*args)
+
+  def test_config_errors(self):
+    with self.assertRaisesRegex(ValueError, "tile_m=96"):
+      TuningConfig(tile_m=96)
+    with self.assertRaisesRegex(ValueError, "delay_release=2 must be smaller"):
+      PipelinedConfig(max_concurrent_steps=2, delay_release=2)
+    with self.assertRaisesRegex(ValueError, "max_concurrent_steps must be an int >= 1"):
+      PipelinedConfig(max_concurrent_steps=0)
+    with self.assertRaisesRegex(ValueError, "tile_n=512 exceeds"):
+      PipelinedConfig(tile_n=512)
+    with self.assertRaisesRegex(ValueError, "activation='tanh'"):
+      matmul(jnp.zeros((64, 64), jnp.float16), jnp.zeros((64, 64), jnp.float16),
+             activation="tanh")
+    lhs, rhs = jnp.zeros((512, 4096), jnp.float16), jnp.zeros((4096, 512), jnp.float16)
+    with self.assertRaisesRegex(ValueError, "shared memory.*lhs_smem"):
+      ws_matmul(lhs, rhs, config=TuningConfig(tile_n=256, max_concurrent_steps=6))
+    with self.assertRaisesRegex(ValueError, "multiple of tile_k=128"):
+      pipelined_matmul(jnp.zeros((64, 192), jnp.float16), jnp.zeros((192, 64), jnp.float16),
+                       config=PipelinedConfig(tile_k=128))
+    with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(512,\)"):
+      matmul(lhs, rhs, jnp.zeros((7,), jnp.float16))
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,107 @@
+"""The pipelined matmul through the `pl.pallas_call` compatibility API.
+
+The same computation as `pipelined_matmul`, written as a `pl.pallas_call`
+whose grid is (M tiles, N tiles, K steps) with
+`dimension_semantics=("parallel", "parallel", "sequential")`: Mosaic GPU turns
+the parallel dimensions into the CUDA grid and pipelines the sequential one
+with `max_concurrent_steps` SMEM slots (`delay_release` sits on each
+`plgpu.BlockSpec` in jax 0.11.2). Without a sequential dimension, nothing is
+pipelined: every grid point is its own block and loads its whole K range once
+(the `all_parallel` variant below, used by the tests to show the difference).
+
+In jax 0.11.2 the public `pl.pallas_call` has no Mosaic GPU lowering
+registered for `plgpu.CompilerParams` (it fails with an AssertionError in
+`pallas_call.gpu_lowering`, on CPU and GPU alike), so this goes through Mosaic
+GPU's own compatibility entry point, `jax._src.pallas.mosaic_gpu.pallas_call`,
+which builds the same `plgpu.kernel` + `emit_pipeline` structure. Its GPU
+interpreter cannot store into a wgmma accumulator, so this path runs on GPUs only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.mosaic_gpu.pallas_call import pallas_call as mgpu_pallas_call
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from core import compiler_params, interpret_params, sequential_grid_semantics, tile_transforms
+from pipelines import operands
+from pipelines.config import PipelinedConfig, check_swizzle
+
+
+def _accumulating_kernel(lhs_smem, rhs_smem, out_smem, acc_smem, *, delay_release: int):
+  # The compatibility API calls the body once per K step, so the float32
+  # partial sum lives in SMEM between steps and in a wgmma accumulator within
+  # one (a register accumulator cannot be kernel-level scratch here).
+  k = pl.program_id(2)
+
+  @pl.when(k == 0)
+  def _zero():
+    acc_smem[...] = jnp.zeros(acc_smem.shape, jnp.float32)
+
+  def step(acc_ref):
+    acc_ref[...] = acc_smem[...]
+    plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+    plgpu.wgmma_wait(delay_release)  # The BlockSpecs hold each slot that long.
+    return acc_ref[...]
+
+  acc_smem[...] = pl.run_scoped(step, plgpu.ACC(acc_smem.shape, jnp.float32))
+
+  @pl.when(k == pl.num_programs(2) - 1)
+  def _store():
+    out_smem[...] = acc_smem[...].astype(out_smem.dtype)
+
+
+def pallas_call_matmul(lhs: jax.Array, rhs: jax.Array, *,
+                       config: PipelinedConfig = PipelinedConfig(),
+                       out_dtype=None, all_parallel: bool = False) -> jax.Array:
+  """`lhs @ rhs` via `pl.pallas_call` with a pipelined sequential K dimension.
+
+  Args:
+    lhs: (M, K) float16/bfloat16; rhs: (K, N), same dtype. M, N multiples of
+      the tile; K a multiple of tile_k.
+    config: tiles and pipeline depth, as for `pipelined_matmul`.
+    out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+    all_parallel: make every grid dimension "parallel" (one K step of the full
+      K per block): the documented no-pipelining behaviour.
+
+  Returns:
+    (M, N) array of `out_dtype`.
+  """
+  problem = operands.check_operands(lhs, rhs)
+  out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
+  tile_m, tile_n = config.tile_m, config.tile_n
+  tile_k = problem.k if all_parallel else config.tile_k
+  if problem.m % tile_m or problem.n % tile_n:
+    raise ValueError(f"M={problem.m} and N={problem.n} must be multiples of "
+                     f"tile_m={tile_m} and tile_n={tile_n} on the pallas_call path")
+  k_steps = operands.check_k_tiles(problem, tile_k)
+  config = dataclasses.replace(config, tile_k=tile_k)
+  check_swizzle(config, problem.dtype)
+  config.smem_budget(problem.k, problem.dtype, out_dtype).check(what=repr(config))
+  steps = config.pipeline.steps_for(k_steps)
+  semantics = ("parallel",) * 3 if all_parallel else sequential_grid_semantics(2)
+  delay = config.delay_release if steps > config.delay_release else 0
+
+  def spec(shape, index_map, minor, dtype, delay_release=0):
+    return plgpu.BlockSpec(shape, index_map, transforms=tile_transforms(minor, dtype),
+                           delay_release=delay_release)
+
+  def kernel(lhs_smem, rhs_smem, out_smem, acc_smem):
+    _accumulating_kernel(lhs_smem, rhs_smem, out_smem, acc_smem, delay_release=delay)
+
+  return mgpu_pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((problem.m, problem.n), out_dtype),
+      grid=(problem.m // tile_m, problem.n // tile_n, k_steps),
+      in_specs=[spec((tile_m, tile_k), lambda i, j, k: (i, k), tile_k, problem.dtype, delay),
+                spec((tile_k, tile_n), lambda i, j, k: (k, j), tile_n, problem.dtype, delay)],
+      out_specs=spec((tile_m, tile_n), lambda i, j, k: (i, j), tile_n, out_dtype),
+      scratch_shapes=[plgpu.SMEM((tile_m, tile_n), jnp.float32)],
+      compiler_params=compiler_params(dimension_semantics=semantics, max_concurrent_steps=steps),
+      kernel_fn=functools.partial(plgpu.kernel, interpret=interpret_params()),
+  )(lhs, rhs)

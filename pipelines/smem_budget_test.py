@@ -1,0 +1,52 @@
+"""The matmul configs' SMEM model equals what Mosaic GPU allocates (lowered on CPU)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+from core import testing
+from pipelines import (
+    Epilogue,
+    MatmulDimension,
+    PipelinedConfig,
+    TuningConfig,
+    pipelined_matmul,
+    ws_matmul,
+)
+
+S = jax.ShapeDtypeStruct
+
+
+class SmemModelTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      (PipelinedConfig(), 4096),
+      (PipelinedConfig(tile_n=256, max_concurrent_steps=3), 4096),
+      (PipelinedConfig(tile_m=64, max_concurrent_steps=6), 128),  # Steps clamp to K steps.
+  )
+  def test_pipelined(self, config, k):
+    fn = functools.partial(pipelined_matmul, config=config)
+    args = S((1024, k), jnp.float16), S((k, 1024), jnp.float16)
+    self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
+                     config.smem_budget(k, jnp.float16, jnp.float16).total_bytes)
+
+  @parameterized.parameters(
+      (TuningConfig(), False, jnp.bfloat16),
+      (TuningConfig(wg_dimension=MatmulDimension.M, max_concurrent_steps=3), True, jnp.bfloat16),
+      (TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=3,
+                    wg_dimension=MatmulDimension.M), False, jnp.float32),
+  )
+  def test_warp_specialized(self, config, has_bias, out_dtype):
+    epilogue = Epilogue(activation="gelu", has_bias=has_bias)
+    fn = functools.partial(ws_matmul, config=config, epilogue=epilogue, out_dtype=out_dtype)
+    args = [S((1024, 4096), jnp.bfloat16), S((4096, 2048), jnp.bfloat16)]
+    args += [S((2048,), jnp.bfloat16)] if has_bias else []
+    self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
+                     config.smem_budget(4096, jnp.bfloat16, out_dtype,
+                                        has_bias=has_bias).total_bytes)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,233 @@
+"""The warp-specialized persistent matmul for Hopper (sm_90).
+
+One block per SM (grid axis "sm") loops over output tiles in a swizzled order
+(`plgpu.planar_snake`), so consecutive tiles of neighbouring blocks share
+operand panels in L2. Each block runs three warpgroups (thread axis "wg"):
+two compute warpgroups each accumulate a (tile_m, tile_n) float32 tile with
+wgmma, and one memory warpgroup (`emit_pipeline_warp_specialized`) keeps
+`max_concurrent_steps` SMEM slots of operand tiles in flight with TMA.
+
+The epilogue applies the fused bias/activation in float32, casts, and stores
+through double-buffered (epi_tile_m, epi_tile_n) SMEM tiles with TMA, so the
+store of one sub-tile overlaps the conversion of the next.
+
+`emit_ws_matmul` is the kernel body as a building block: other kernels (the
+collective matmul) call it inside their own `plgpu.kernel` and hook into the
+pipeline with `pipeline_callback` and `delay_release`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from core import accumulator, compiler_params, device_facts, interpret_params, tile_transforms
+from core.memory import swizzle_elems
+from pipelines import operands
+from pipelines.config import NUM_COMPUTE_WGS, MatmulDimension, TuningConfig, check_swizzle
+from pipelines.epilogue import Epilogue
+
+SM_AXIS = "sm"
+WG_AXIS = "wg"
+# Registers the memory warpgroup keeps; the compute warpgroups get the rest.
+MEMORY_WG_REGISTERS = 40
+
+# pipeline_callback(m_tile, n_tile, k_step, lhs_smem, rhs_smem): runs in each
+# compute warpgroup after it issued the step's wgmma.
+PipelineCallback = Callable[[jax.Array, jax.Array, jax.Array, object, object], None]
+
+
+def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: TuningConfig,
+                   epilogue: Epilogue = Epilogue(),
+                   pipeline_callback: PipelineCallback | None = None,
+                   delay_release: int = 0) -> None:
+  """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + bias_gmem)` inside a kernel.
+
+  Must be called from a `plgpu.kernel` with grid axis `SM_AXIS` and three
+  threads on axis `WG_AXIS`. All shapes are static; M and N may be ragged
+  (TMA masks the edge tiles) but M must be a multiple of 8 and N of the
+  swizzle width (`operands.pad_for_tma`); K a multiple of `config.tile_k`.
+
+  Args:
+    lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref; out_gmem: (M, N) ref.
+    bias_gmem: (N,) ref of the output dtype, or None.
+    pipeline_callback: see `PipelineCallback`; with it, `delay_release` keeps
+      each step's SMEM slots alive that many extra steps, for async reads of
+      them the callback started (it must finish them by then).
+  """
+  m, k = lhs_gmem.shape
+  n = rhs_gmem.shape[1]
+  dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
+  tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+  cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
+  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
+  m_tiles, n_tiles, k_steps = pl.cdiv(m, cta_m), pl.cdiv(n, cta_n), k // tile_k
+  slots = config.epilogue_slots
+
+  def make_pipeline(step, compute_context):
+    def spec(block_shape, index_map, minor):
+      return plgpu.BlockSpec(block_shape, index_map, transforms=tile_transforms(minor, dtype),
+                             delay_release=delay_release)
+    return plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(k_steps,),
+        memory_registers=MEMORY_WG_REGISTERS,
+        in_specs=[spec((cta_m, tile_k), lambda kk: (0, kk), tile_k),
+                  spec((tile_k, cta_n), lambda kk: (kk, 0), cta_n)],
+        wg_axis=WG_AXIS,
+        num_compute_wgs=NUM_COMPUTE_WGS,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  def ignore(*_, **__):
+    return None
+
+  # The pipeline's SMEM depends only on shapes, so one allocation serves every
+  # output tile and no scoped allocation (a block-wide sync) sits in the loop.
+  scratch = dict(
+      pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem),
+      out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, slots, epi_m, epi_n), out_dtype,
+                          transforms=tile_transforms(epi_n, out_dtype)),
+  )
+  if bias_gmem is not None:
+    scratch["bias_smem"] = plgpu.SMEM((NUM_COMPUTE_WGS, tile_n), out_dtype)
+    scratch["bias_barrier"] = plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
+  def _scope(pipeline_allocs, out_smem, bias_smem=None, bias_barrier=None):
+    wg = lax.axis_index(WG_AXIS)
+
+    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes=SM_AXIS)
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (linear,) = loop_info.index
+      m_tile, n_tile = plgpu.planar_snake(linear, (m_tiles, n_tiles), config.grid_minor_dim,
+                                          config.grid_tile_width)
+      cta_m_slice = pl.ds(m_tile * cta_m, cta_m)
+      cta_n_slice = pl.ds(n_tile * cta_n, cta_n)
+      if config.wg_dimension == MatmulDimension.M:
+        wg_m_slice, wg_n_slice = pl.ds(wg * tile_m, tile_m), slice(None)
+      else:
+        wg_m_slice, wg_n_slice = slice(None), pl.ds(wg * tile_n, tile_n)
+      wg_out = out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
+
+      def mma_step(indices, lhs_smem, rhs_smem, acc_ref):
+        plgpu.wgmma(acc_ref, lhs_smem.at[wg_m_slice], rhs_smem.at[:, wg_n_slice])
+        if pipeline_callback is not None:
+          pipeline_callback(m_tile, n_tile, indices[0], lhs_smem, rhs_smem)
+        # The pipeline reuses a slot `delay_release` steps after this one, so
+        # that many wgmmas may still be reading their slots.
+        plgpu.wgmma_wait(delay_release)
+        return acc_ref
+
+      def compute_context(run_pipeline):
+        if bias_gmem is not None:
+          # Start the bias load now; it lands while the K loop runs.
+          plgpu.copy_gmem_to_smem(bias_gmem.at[cta_n_slice].at[wg_n_slice],
+                                  bias_smem.at[wg], bias_barrier.at[wg])
+
+        @functools.partial(pl.run_scoped, acc_ref=accumulator((tile_m, tile_n)))
+        def _acc_scope(acc_ref):
+          run_pipeline(acc_ref)
+          acc = acc_ref[...]
+          if bias_gmem is not None:
+            plgpu.barrier_wait(bias_barrier.at[wg])
+          _store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
+
+      make_pipeline(mma_step, compute_context)(
+          lhs_gmem.at[cta_m_slice, :], rhs_gmem.at[:, cta_n_slice],
+          allocations=pipeline_allocs)
+
+  # The last tile's stores must land before the kernel exits.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config: TuningConfig,
+                    epilogue: Epilogue) -> None:
+  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
+  n_sub = config.tile_n // epi_n
+  # The previous tile's last stores may still read out_smem; since each store
+  # below waits for all but one, only the previous tile's final store can be
+  # pending here.
+  for i in range(config.tile_m // epi_m):
+    for j in range(n_sub):
+      x = acc[i * epi_m:(i + 1) * epi_m, j * epi_n:(j + 1) * epi_n]
+      if bias_smem is not None:
+        bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)], (),
+                          layout=plgpu.Layout.WGMMA.reduce(0))
+        x = x + lax.broadcast_in_dim(bias.astype(jnp.float32), x.shape, (1,))
+      x = epilogue.apply(x)
+      slot = (i * n_sub + j) % config.epilogue_slots
+      # Keep at most one store in flight: the one from the other slot.
+      plgpu.wait_smem_to_gmem(config.epilogue_slots - 1, wait_read_only=True)
+      out_smem[wg, slot] = x.astype(out_smem.dtype)
+      plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
+      plgpu.copy_smem_to_gmem(
+          out_smem.at[wg, slot],
+          wg_out.at[pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n)])
+
+
+def check_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
+                 has_bias: bool = False) -> int:
+  """Checks `config` against the problem and the SMEM budget; returns the K steps."""
+  k_steps = operands.check_k_tiles(problem, config.tile_k)
+  check_swizzle(config, problem.dtype)
+  config.smem_budget(problem.k, problem.dtype, out_dtype,
+                     has_bias=has_bias).check(what=repr(config))
+  return k_steps
+
+
+def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
+              config: TuningConfig, epilogue: Epilogue = Epilogue(),
+              out_dtype=None) -> jax.Array:
+  """`epilogue(lhs @ rhs + bias)` with the warp-specialized kernel and a given config.
+
+  Args:
+    lhs: (M, K) float16 or bfloat16; rhs: (K, N) of the same dtype.
+    bias: (N,) or None; cast to the output dtype.
+    config: tiles, pipeline depth and tile order (see `TuningConfig`).
+    epilogue: fused activation; `epilogue.has_bias` must match `bias`.
+    out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+
+  Returns:
+    (M, N) array of `out_dtype`, accumulated in float32.
+  """
+  problem = operands.check_operands(lhs, rhs)
+  out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
+  if (bias is not None) != epilogue.has_bias:
+    raise ValueError(f"bias is {'given' if bias is not None else 'missing'} but "
+                     f"epilogue.has_bias={epilogue.has_bias}")
+  if bias is not None:
+    if bias.shape != (problem.n,):
+      raise ValueError(f"bias must have shape (N,)=({problem.n},), got {bias.shape=}")
+    bias = bias.astype(out_dtype)
+  check_config(config, problem, out_dtype, has_bias=bias is not None)
+  n_multiple = math.lcm(swizzle_elems(config.cta_tile_n, problem.dtype),
+                        swizzle_elems(config.epi_tile_n, out_dtype))
+  lhs, rhs, bias, (m, n) = operands.pad_for_tma(lhs, rhs, bias, n_multiple=n_multiple)
+  padded_m, padded_n = lhs.shape[0], rhs.shape[1]
+
+  def ws_matmul_kernel(lhs_gmem, rhs_gmem, *rest):
+    *bias_gmem, out_gmem = rest
+    emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=epilogue)
+
+  num_tiles = pl.cdiv(padded_m, config.cta_tile_m) * pl.cdiv(padded_n, config.cta_tile_n)
+  kernel = plgpu.kernel(
+      ws_matmul_kernel,
+      out_type=jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),
+      grid=(min(device_facts().sm_count, num_tiles),),
+      grid_names=(SM_AXIS,),
+      num_threads=NUM_COMPUTE_WGS + 1,
+      thread_name=WG_AXIS,
+      compiler_params=compiler_params(),
+      interpret=interpret_params(),
+  )
+  out = kernel(lhs, rhs, *(() if bias is None else (bias,)))
+  return out if out.shape == (m, n) else out[:m, :n]

@@ -1,0 +1,76 @@
+"""Sweeps warp-specialized matmul configs on this GPU and stores the winners.
+
+    bazel run //tools:autotune_matmul -- --shapes=4096x4096x4096 --dtypes=float16
+
+Writes each winner into the tuning cache (`pipelines/tuning_cache.json`, or
+`--cache`), keyed by GPU kind, jax version and problem, and the full sweep to
+`--out_dir/autotune_<shape>_<dtype>.json`. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from core import has_gpu
+from pipelines import autotune, tuning_cache
+from tools import report
+
+_SHAPES = flags.DEFINE_list("shapes", ["4096x4096x4096"], "Problems as MxKxN.")
+_DTYPES = flags.DEFINE_list("dtypes", ["float16"], "Operand dtypes.")
+_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"), "Where sweeps go.")
+_CACHE = flags.DEFINE_string("cache", None, "Tuning cache file to update.")
+_QUICK = flags.DEFINE_bool("quick", False, "A smaller search space (about a quarter).")
+_TILE_M = flags.DEFINE_list("tile_m", None, "Override the space's tile_m values.")
+_TILE_N = flags.DEFINE_list("tile_n", None, "Override the space's tile_n values.")
+_STEPS = flags.DEFINE_list("steps", None, "Override the space's max_concurrent_steps values.")
+_WIDTHS = flags.DEFINE_list("widths", None, "Override the space's grid_tile_width values.")
+_MINOR = flags.DEFINE_list("minor", None, "Override the space's grid_minor_dim values (M, N).")
+_EPI = flags.DEFINE_list("epi_tiles", None, "Override the space's epilogue tiles, as MxN.")
+
+QUICK_SPACE = autotune.SearchSpace(max_concurrent_steps=(4,), grid_tile_width=(8, 16),
+                                   epi_tile=((64, 64),))
+
+
+def search_space() -> autotune.SearchSpace:
+  space = QUICK_SPACE if _QUICK.value else autotune.SearchSpace()
+  ints = lambda values: tuple(int(v) for v in values)  # noqa: E731
+  overrides = {
+      "tile_m": _TILE_M.value and ints(_TILE_M.value),
+      "tile_n": _TILE_N.value and ints(_TILE_N.value),
+      "max_concurrent_steps": _STEPS.value and ints(_STEPS.value),
+      "grid_tile_width": _WIDTHS.value and ints(_WIDTHS.value),
+      "grid_minor_dim": _MINOR.value and tuple(autotune.MatmulDimension[v] for v in _MINOR.value),
+      "epi_tile": _EPI.value and tuple(tuple(int(x) for x in v.split("x")) for v in _EPI.value),
+  }
+  return dataclasses.replace(space, **{k: v for k, v in overrides.items() if v})
+
+
+def main(argv):
+  del argv
+  if not has_gpu():
+    raise SystemExit("autotune_matmul needs a Hopper GPU; none is visible to JAX.")
+  if _CACHE.value:
+    os.environ[tuning_cache.CACHE_ENV] = _CACHE.value
+  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  space = search_space()
+  for shape in _SHAPES.value:
+    m, k, n = (int(x) for x in shape.split("x"))
+    for dtype in _DTYPES.value:
+      lhs = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)
+      rhs = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
+      results = autotune.tune(lhs, rhs, space=space, store=True)
+      rows = [dict(tuning_cache.config_to_json(c.config), median_us=c.median_us,
+                   reason=c.reason) for c in results]
+      report.write_json(os.path.join(_OUT_DIR.value, f"autotune_{shape}_{dtype}.json"), rows)
+      print(f"== {shape} {dtype}: best of {len(results)}")
+      report.print_table(rows[:5], [f.name for f in dataclasses.fields(autotune.TuningConfig)]
+                         + ["median_us"])
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,137 @@
+"""Benchmarks the matmul kernels against cuBLAS (`jnp.dot`) and JAX's Hopper kernel.
+
+    bazel run //tools:bench_matmul -- --out_dir=/tmp/bench
+
+For each shape and dtype it times, on random normal data, our pipelined
+kernel, our warp-specialized kernel (`pipelines.matmul`, tuning cache or
+heuristic), `jnp.dot` and JAX's shipped `hopper_matmul_mgpu`, each as the
+median of many CUPTI-timed runs after warm-up, and reports TFLOP/s and the
+ratio to `jnp.dot` from the same run. Writes `matmul_bench.json` and
+`matmul_bench.png` to `--out_dir`. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from core import device_facts, has_gpu, timing
+from core.numerics import RELATIVE_TOLERANCE, relative_error
+from pipelines import PipelinedConfig, matmul, matmul_reference, pipelined_matmul
+from tools import report
+
+SUITE = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192, 4096),
+         (8192, 8192, 1024), (16384, 1024, 8192))
+
+_SHAPES = flags.DEFINE_list("shapes", [f"{m}x{k}x{n}" for m, k, n in SUITE],
+                            "Problems as MxKxN.")
+_DTYPES = flags.DEFINE_list("dtypes", ["float16", "bfloat16"], "Operand dtypes.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per kernel.")
+_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"), "Where results go.")
+_PEER = flags.DEFINE_bool("peer", True, "Also time JAX's hopper_matmul_mgpu.")
+_PIPELINED = flags.DEFINE_multi_string(
+    "pipelined_config", ["tile_m=128,tile_n=128,tile_k=64,max_concurrent_steps=4,delay_release=1"],
+    "PipelinedConfig fields for the pipelined kernel; repeat the flag to time several.")
+
+
+def _parse_config(text: str) -> PipelinedConfig:
+  fields = dict(kv.split("=") for kv in text.split(","))
+  return PipelinedConfig(**{k: int(v) for k, v in fields.items()})
+
+
+def _peer_matmul():
+  """JAX's own Hopper kernel with its best config measured here (ENVIRONMENT notes)."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as peer
+
+  config = peer.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                             grid_minor_dim=peer.MatmulDimension.M, grid_tile_width=8,
+                             wg_dimension=peer.MatmulDimension.N)
+  return lambda a, b: peer.matmul(a, b, None, config)
+
+
+def bench_problem(m: int, k: int, n: int, dtype) -> list[dict]:
+  """Times every implementation on one problem; returns one record per kernel."""
+  lhs = (jax.random.normal(jax.random.key(0), (m, k), jnp.float32)).astype(dtype)
+  rhs = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32)).astype(dtype)
+  flops = 2 * m * k * n
+  reference = matmul_reference(lhs, rhs)
+  impls = {
+      "jnp.dot": jnp.dot,
+      "ours: warp-specialized": matmul,
+  }
+  for text in _PIPELINED.value:
+    name = "ours: pipelined" + (f" [{text}]" if len(_PIPELINED.value) > 1 else "")
+    impls[name] = functools.partial(pipelined_matmul, config=_parse_config(text))
+  if _PEER.value:
+    impls["jax hopper_matmul_mgpu"] = _peer_matmul()
+  records = []
+  for name, fn in impls.items():
+    try:
+      t, out = timing.time_gpu(name, fn, (lhs, rhs), flops=flops, iterations=_ITERATIONS.value)
+    except Exception as e:  # Report a kernel that fails; keep benchmarking the others.
+      records.append(dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300]))
+      continue
+    err = relative_error(out, reference)
+    records.append(dict(t.as_dict(), kernel=name, rel_error=err,
+                        correct=err <= RELATIVE_TOLERANCE[jnp.dtype(dtype)]))
+  baseline = next(r["median_us"] for r in records if r["kernel"] == "jnp.dot")
+  for r in records:
+    r.update(shape=f"{m}x{k}x{n}", dtype=jnp.dtype(dtype).name)
+    if "median_us" in r:
+      r["ratio_to_dot"] = baseline / r["median_us"]
+  return records
+
+
+def plot(records: list[dict], path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  groups = sorted({(r["shape"], r["dtype"]) for r in records})
+  kernels = sorted({r["kernel"] for r in records})
+  fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.4), 5))
+  width = 0.8 / len(kernels)
+  for i, kernel in enumerate(kernels):
+    ys = [next((r.get("tflops", 0) for r in records
+                if (r["shape"], r["dtype"], r["kernel"]) == (*g, kernel)), 0) for g in groups]
+    ax.bar([x + i * width for x in range(len(groups))], ys, width, label=kernel)
+  ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
+  ax.set_xticklabels([f"{s}\n{d}" for s, d in groups], fontsize=7)
+  ax.set_ylabel("TFLOP/s")
+  ax.set_title(f"matmul on {device_facts().name}")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  if not has_gpu():
+    raise SystemExit("bench_matmul needs a Hopper GPU; none is visible to JAX.")
+  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  records = []
+  for shape in _SHAPES.value:
+    m, k, n = (int(x) for x in shape.split("x"))
+    for dtype in _DTYPES.value:
+      records += bench_problem(m, k, n, jnp.dtype(dtype))
+  report.print_table(records, ["shape", "dtype", "kernel", "median_us", "tflops",
+                               "ratio_to_dot", "rel_error", "error"])
+  for kernel in sorted({r["kernel"] for r in records}):
+    ratios = [r["ratio_to_dot"] for r in records if r["kernel"] == kernel and "ratio_to_dot" in r]
+    if ratios:
+      print(f"median ratio to jnp.dot, {kernel}: {statistics.median(ratios):.3f}")
+  report.write_json(os.path.join(_OUT_DIR.value, "matmul_bench.json"), records)
+  try:
+    plot(records, os.path.join(_OUT_DIR.value, "matmul_bench.png"))
+  except ImportError:
+    print("matplotlib is not installed: no plot written")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs the GPU work of this repo on a Hopper machine without Bazel (e.g. a
+# bare GPU box with jax[cuda] installed): the GPU-tagged tests with pytest on
+# the same test files Bazel runs, the autotuner and the benchmarks.
+#
+#   tools/gpu_check.sh tests            # every test file, MGPU_TEST_BACKEND=gpu
+#   tools/gpu_check.sh tune SHAPES...   # autotune_matmul, updates the tuning cache
+#   tools/gpu_check.sh bench [FLAGS]    # bench_matmul
+#
+# Logs and results go to $OUT (default ./out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MGPU_TEST_BACKEND=gpu
+PY=${PYTHON:-python3}
+step=$1
+shift
+case "$step" in
+  tests)
+    $PY -m pytest -q -rs -o python_files='*_test.py' -p no:cacheprovider \
+      core pipelines "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+  tune)
+    $PY tools/autotune_matmul.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/autotune.log"
+    ;;
+  bench)
+    $PY tools/bench_matmul.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+    ;;
+  *)
+    echo "usage: $0 tests|tune|bench [args]" >&2
+    exit 2
+    ;;
+esac

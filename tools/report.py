@@ -1,0 +1,22 @@
+"""Benchmark output: aligned text tables and JSON records."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+
+def write_json(path: str, records: list[dict]) -> None:
+  with open(path, "w") as f:
+    json.dump(records, f, indent=1)
+
+
+def print_table(rows: list[dict], columns: Sequence[str]) -> None:
+  """Prints `rows` (dicts) as an aligned text table of `columns`."""
+  def fmt(v):
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+  cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+  print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
+  for row in cells:
+    print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
