@@ -25,7 +25,7 @@ from absl.testing import absltest
 
 _PROBE = flags.DEFINE_string(
     "probe",
-    "//bazel:consumer_probe",
+    "//core:quickstart",
     "Our py_library that the consumer workspace depends on, as //pkg:name: its code does "
     "`from pkg import name` and calls name.fill(shape, value). Set in bazel/BUILD.bazel.",
 )
