@@ -147,7 +147,8 @@ class TuningConfig:
     """SMEM staging slots per warpgroup: 2 lets one store drain while the next fills."""
     return min(2, (self.tile_m // self.epi_tile_m) * (self.tile_n // self.epi_tile_n))
 
-  def smem_budget(self, k: int, dtype, out_dtype, *, has_bias: bool = False) -> SmemBudget:
+  def smem_budget(self, k: int, dtype, out_dtype, *, has_bias: bool = False,
+                  delay_release: int = 0) -> SmemBudget:
     """SMEM this config allocates for K = `k` (all of it alive at once)."""
     steps = min(self.max_concurrent_steps, k // self.tile_k)
     buffers = [
@@ -162,9 +163,11 @@ class TuningConfig:
       buffers.append(SmemBuffer(name="bias_smem", shape=(self.tile_n,), dtype=out_dtype,
                                 copies=NUM_COMPUTE_WGS))
     # Per slot, a "loaded" barrier (TMA done) and a "consumed" one (compute
-    # warpgroups done); per compute warpgroup one for its bias load.
+    # warpgroups done); per compute warpgroup one for its bias load; with
+    # delayed release, one that says a tile's slots are all free again.
     return SmemBudget(phases=(tuple(buffers),),
-                      num_barriers=2 * steps + (NUM_COMPUTE_WGS if has_bias else 0))
+                      num_barriers=(2 * steps + (NUM_COMPUTE_WGS if has_bias else 0)
+                                    + (1 if delay_release else 0)))
 
 
 def check_operand_dtype(name: str, dtype) -> jnp.dtype:

@@ -97,12 +97,18 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
       out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, slots, epi_m, epi_n), out_dtype,
                           transforms=tile_transforms(epi_n, out_dtype)),
   )
+  if delay_release:
+    # The pipeline never waits for the release of a tile's last
+    # `delay_release` steps, so the memory warpgroup could refill those slots
+    # for the next tile while a wgmma or a callback's copy still reads them.
+    # The compute warpgroups arrive here once they are done with every slot.
+    scratch["tile_drained"] = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS)
   if bias_gmem is not None:
     scratch["bias_smem"] = plgpu.SMEM((NUM_COMPUTE_WGS, tile_n), out_dtype)
     scratch["bias_barrier"] = plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
-  def _scope(pipeline_allocs, out_smem, bias_smem=None, bias_barrier=None):
+  def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_barrier=None):
     wg = lax.axis_index(WG_AXIS)
 
     @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes=SM_AXIS)
@@ -136,7 +142,10 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
         @functools.partial(pl.run_scoped, acc_ref=accumulator((tile_m, tile_n)))
         def _acc_scope(acc_ref):
           run_pipeline(acc_ref)
-          acc = acc_ref[...]
+          acc = acc_ref[...]  # Waits for every wgmma of the tile.
+          if tile_drained is not None:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The callback's copies.
+            plgpu.barrier_arrive(tile_drained)
           if bias_gmem is not None:
             plgpu.barrier_wait(bias_barrier.at[wg])
           _store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
@@ -144,6 +153,10 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
       make_pipeline(mma_step, compute_context)(
           lhs_gmem.at[cta_m_slice, :], rhs_gmem.at[:, cta_n_slice],
           allocations=pipeline_allocs)
+      if tile_drained is not None:
+        @pl.when(wg == NUM_COMPUTE_WGS)  # The memory warpgroup.
+        def _wait_drained():
+          plgpu.barrier_wait(tile_drained)
 
   # The last tile's stores must land before the kernel exits.
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -175,12 +188,15 @@ def _store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config: TuningConfig,
 
 
 def check_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
-                 has_bias: bool = False) -> int:
+                 has_bias: bool = False, delay_release: int = 0) -> int:
   """Checks `config` against the problem and the SMEM budget; returns the K steps."""
   k_steps = operands.check_k_tiles(problem, config.tile_k)
   check_swizzle(config, problem.dtype)
-  config.smem_budget(problem.k, problem.dtype, out_dtype,
-                     has_bias=has_bias).check(what=repr(config))
+  if not 0 <= delay_release < config.max_concurrent_steps:
+    raise ValueError(f"delay_release={delay_release} must be in [0, max_concurrent_steps="
+                     f"{config.max_concurrent_steps})")
+  config.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=has_bias,
+                     delay_release=delay_release).check(what=repr(config))
   return k_steps
 
 
