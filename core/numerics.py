@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,3 +28,21 @@ def relative_error(out, ref) -> float:
   if not np.all(np.isfinite(out)):
     return float("inf")
   return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def relative_error_on_device(out, ref) -> float:
+  """`relative_error` computed where the arrays live (float32), for sharded outputs.
+
+  Works on arrays spread over devices of several processes, which cannot be
+  copied to one host; every process gets the same value.
+  """
+  if out.shape != ref.shape:
+    raise ValueError(f"shape mismatch: {out.shape=} vs {ref.shape=}")
+  return float(_relative_error_jit(out, ref))
+
+
+@jax.jit
+def _relative_error_jit(out, ref):
+  out, ref = out.astype(jnp.float32), ref.astype(jnp.float32)
+  err = jnp.linalg.norm(out - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30)
+  return jnp.where(jnp.all(jnp.isfinite(out)), err, jnp.inf)

@@ -42,8 +42,14 @@ class Timing:
 
 
 def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str = "",
-             iterations: int = DEFAULT_ITERATIONS) -> tuple[Timing, jax.Array]:
+             iterations: int = DEFAULT_ITERATIONS, num_devices: int = 1
+             ) -> tuple[Timing, jax.Array]:
   """Compiles and warms `fn(*args)` up, then measures `iterations` runs.
+
+  `num_devices`: how many GPUs of this process one call runs on (a sharded
+  call). CUPTI reports every device's kernels; their total is divided by it,
+  giving the mean device time per call (a collective kernel that waits for a
+  slower peer counts that wait). `flops` is then the work of one device.
 
   Returns the timing and the output of the warm-up call (for checking).
   """
@@ -59,4 +65,4 @@ def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str
   if runtimes_ms is None:
     raise RuntimeError(f"{name}: no GPU kernel was launched")
   return Timing(name=name, config=config, compile_s=compile_s,
-                times_us=tuple(t * 1e3 for t in runtimes_ms), flops=flops), out
+                times_us=tuple(t * 1e3 / num_devices for t in runtimes_ms), flops=flops), out
