@@ -12,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
-import jax.numpy as jnp
 from absl import app, flags
 
 from core import has_gpu
 from pipelines import autotune, tuning_cache
-from tools import report
+from tools import cli, report
 
 _SHAPES = flags.DEFINE_list("shapes", ["4096x4096x4096"], "Problems as MxKxN.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float16"], "Operand dtypes.")
@@ -45,7 +43,7 @@ def search_space() -> autotune.SearchSpace:
       "max_concurrent_steps": _STEPS.value and ints(_STEPS.value),
       "grid_tile_width": _WIDTHS.value and ints(_WIDTHS.value),
       "grid_minor_dim": _MINOR.value and tuple(autotune.MatmulDimension[v] for v in _MINOR.value),
-      "epi_tile": _EPI.value and tuple(tuple(int(x) for x in v.split("x")) for v in _EPI.value),
+      "epi_tile": _EPI.value and tuple(cli.parse_shape(v, 2) for v in _EPI.value),
   }
   return dataclasses.replace(space, **{k: v for k, v in overrides.items() if v})
 
@@ -59,10 +57,9 @@ def main(argv):
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   space = search_space()
   for shape in _SHAPES.value:
-    m, k, n = (int(x) for x in shape.split("x"))
+    m, k, n = cli.parse_shape(shape)
     for dtype in _DTYPES.value:
-      lhs = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(dtype)
-      rhs = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
+      lhs, rhs = cli.random_operands(m, k, n, dtype)
       results = autotune.tune(lhs, rhs, space=space, store=True)
       rows = [dict(tuning_cache.config_to_json(c.config), median_us=c.median_us,
                    reason=c.reason) for c in results]

@@ -16,14 +16,13 @@ import functools
 import os
 import statistics
 
-import jax
 import jax.numpy as jnp
 from absl import app, flags
 
 from core import device_facts, has_gpu, timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
 from pipelines import PipelinedConfig, matmul, matmul_reference, pipelined_matmul
-from tools import report
+from tools import cli, report
 
 SUITE = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192, 4096),
          (8192, 8192, 1024), (16384, 1024, 8192))
@@ -39,11 +38,6 @@ _PIPELINED = flags.DEFINE_multi_string(
     "PipelinedConfig fields for the pipelined kernel; repeat the flag to time several.")
 
 
-def _parse_config(text: str) -> PipelinedConfig:
-  fields = dict(kv.split("=") for kv in text.split(","))
-  return PipelinedConfig(**{k: int(v) for k, v in fields.items()})
-
-
 def _peer_matmul():
   """JAX's own Hopper kernel with its best config measured here (ENVIRONMENT notes)."""
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as peer
@@ -56,8 +50,7 @@ def _peer_matmul():
 
 def bench_problem(m: int, k: int, n: int, dtype) -> list[dict]:
   """Times every implementation on one problem; returns one record per kernel."""
-  lhs = (jax.random.normal(jax.random.key(0), (m, k), jnp.float32)).astype(dtype)
-  rhs = (jax.random.normal(jax.random.key(1), (k, n), jnp.float32)).astype(dtype)
+  lhs, rhs = cli.random_operands(m, k, n, dtype)
   flops = 2 * m * k * n
   reference = matmul_reference(lhs, rhs)
   impls = {
@@ -66,7 +59,8 @@ def bench_problem(m: int, k: int, n: int, dtype) -> list[dict]:
   }
   for text in _PIPELINED.value:
     name = "ours: pipelined" + (f" [{text}]" if len(_PIPELINED.value) > 1 else "")
-    impls[name] = functools.partial(pipelined_matmul, config=_parse_config(text))
+    config = cli.parse_config(PipelinedConfig, text)
+    impls[name] = functools.partial(pipelined_matmul, config=config)
   if _PEER.value:
     impls["jax hopper_matmul_mgpu"] = _peer_matmul()
   records = []
@@ -117,7 +111,7 @@ def main(argv):
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   records = []
   for shape in _SHAPES.value:
-    m, k, n = (int(x) for x in shape.split("x"))
+    m, k, n = cli.parse_shape(shape)
     for dtype in _DTYPES.value:
       records += bench_problem(m, k, n, jnp.dtype(dtype))
   report.print_table(records, ["shape", "dtype", "kernel", "median_us", "tflops",

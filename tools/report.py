@@ -14,7 +14,9 @@ def write_json(path: str, records: list[dict]) -> None:
 def print_table(rows: list[dict], columns: Sequence[str]) -> None:
   """Prints `rows` (dicts) as an aligned text table of `columns`."""
   def fmt(v):
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
+    if isinstance(v, float):
+      return f"{v:.2e}" if 0 < abs(v) < 1e-2 else f"{v:.3f}"
+    return str(v)
   cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
   widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
   print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
