@@ -1,6 +1,18 @@
-"""Collective kernels across GPUs (the ring all-gather matmul and its portable XLA twin).
+"""Collective matmuls across GPUs: the ring all-gather matmul and its portable XLA twin.
 
-Not implemented yet; this package exists so that the layout, its Bazel package and
-its import path are fixed for the code to come. It builds on `pipelines` through
-`pipelines.emit_ws_matmul`'s `pipeline_callback` and `delay_release` hooks.
+    out = collectives.all_gather_matmul(lhs, rhs, "x")   # inside jax.shard_map over "x"
+
+`all_gather_matmul` runs the Mosaic GPU ring kernel (`all_gather_lhs_matmul`)
+on Hopper GPUs that reach each other's memory, and the XLA ring
+(`ring_all_gather_matmul`) elsewhere. Both build on `pipelines` through
+`emit_ws_matmul`'s `pipeline_callback` and `delay_release` hooks.
 """
+
+from collectives.all_gather_matmul import Implementation, all_gather_matmul, choose_implementation
+from collectives.portable import all_gather_then_matmul, ring_all_gather_matmul
+from collectives.ring_matmul_sm90 import all_gather_lhs_matmul
+
+__all__ = [
+    "Implementation", "all_gather_lhs_matmul", "all_gather_matmul", "all_gather_then_matmul",
+    "choose_implementation", "ring_all_gather_matmul",
+]

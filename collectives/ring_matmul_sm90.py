@@ -1,0 +1,189 @@
+"""The ring all-gather matmul on Hopper: NVLink transfers hidden under wgmma.
+
+Inside `jax.shard_map` over D devices, device d holds an (M_shard, K) LHS shard
+(data parallel) and a (K, N_shard) RHS shard (tensor parallel) and computes all
+D row blocks of `all_gather(lhs) @ rhs_d`. It never waits for a full
+all-gather: at step i it multiplies the shard it holds (`schedule.py`), and
+the warp-specialized matmul's own TMA loads of that shard into SMEM are sent
+on to the ring predecessor from SMEM (`pipeline_callback`), so the transfer
+costs no extra GMEM reads and runs while the tensor cores work.
+
+Synchronization, per step:
+  * each send is a TMA copy from a pipeline SMEM slot; `delay_release=1` keeps
+    the slot alive one step longer, and the next step's callback waits for
+    the copy to finish reading it (`wait_smem_to_gmem(1, wait_read_only=True)`);
+  * after its share of the step, every block of the sender waits until its
+    copies have landed in the peer's GMEM and signals the peer's semaphore;
+  * before reading scratch slot i, every block of the receiver waits until the
+    semaphore counts all blocks' signals for step i (never decremented, so the
+    target grows by the block count each step).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from collectives import schedule, topology
+from core import compiler_params, device_facts, interpret_params, is_interpreting
+from pipelines import TuningConfig, emit_ws_matmul
+from pipelines import operands as matmul_operands
+from pipelines.config import NUM_COMPUTE_WGS
+from pipelines.ws_matmul_sm90 import SM_AXIS, WG_AXIS, check_config
+
+# The slot of a forwarded LHS tile stays alive one extra pipeline step, which
+# is the time its TMA copy to the peer gets to read it.
+SEND_DELAY_RELEASE = 1
+# Compute warpgroup that issues the sends: one is enough, its CTA tile
+# includes the rows of both warpgroups.
+SENDER_WG = 0
+
+
+def check_ring_operands(lhs, rhs, dtype, config: TuningConfig | None):
+  """Validates local shards lhs (M_shard, K) and rhs (K, N_shard); returns (problem, out dtype).
+
+  With a `config`, also checks that the shards tile evenly by the CTA tile
+  and that the config fits shared memory with delayed release.
+  """
+  problem = matmul_operands.check_operands(lhs, rhs)
+  out_dtype = matmul_operands.check_out_dtype(dtype, problem.dtype)
+  if out_dtype == jnp.float32:
+    raise ValueError("dtype=float32 is not supported by the all-gather matmul; use float16 or "
+                     "bfloat16")
+  if config is not None:
+    for name, size, tile in (("M_shard (lhs.shape[0])", problem.m, config.cta_tile_m),
+                             ("N_shard (rhs.shape[1])", problem.n, config.cta_tile_n)):
+      if size % tile:
+        raise ValueError(f"{name}={size} must be a multiple of the CTA tile {tile} of {config}")
+    check_config(config, problem, out_dtype, delay_release=SEND_DELAY_RELEASE)
+  return problem, out_dtype
+
+
+def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, enabled):
+  """A `pipeline_callback` that copies each LHS tile the pipeline loads to `dst_gmem`.
+
+  Args:
+    dst_gmem: (M, K) GMEM ref (local or `plgpu.remote_ref`) laid out like the
+      matmul's LHS.
+    enabled: traced bool; only the warpgroup and steps where it holds send.
+
+  Only the first N tile of each M row band sends, so an LHS tile the matmul
+  loads again for other N tiles is not sent again. Must run with
+  `delay_release=SEND_DELAY_RELEASE`.
+  """
+  def callback(m_tile, n_tile, k_step, lhs_smem, rhs_smem):
+    del rhs_smem
+
+    @pl.when(enabled & (n_tile == 0))
+    def _send():
+      plgpu.copy_smem_to_gmem(
+          lhs_smem, dst_gmem.at[pl.ds(m_tile * cta_tile_m, cta_tile_m),
+                                pl.ds(k_step * tile_k, tile_k)])
+      # This slot stays alive one more step; the previous step's slot is
+      # released after this step, so its copy must be done reading now.
+      plgpu.wait_smem_to_gmem(SEND_DELAY_RELEASE, wait_read_only=True)
+
+  return callback
+
+
+def _ring_kernel(lhs_gmem, rhs_gmem, out_gmem, recv_gmem, *, axis_name, num_devices: int,
+                 num_blocks: int, config: TuningConfig):
+  if num_devices == 1:
+    # Nothing to gather, and no peer: keep remote refs and semaphores out of
+    # the kernel so that it runs where peer access does not exist.
+    emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config)
+    return
+  m_shard = lhs_gmem.shape[0]
+  received = pl.get_global(plgpu.SemaphoreType.REGULAR)
+  device = lax.axis_index(axis_name)
+  peer = schedule.send_target(device, num_devices)
+  peer_recv_gmem = plgpu.remote_ref(recv_gmem, peer)
+  is_sender_wg = lax.axis_index(WG_AXIS) == SENDER_WG
+
+  def device_step(lhs_src_gmem, step):
+    sends = schedule.sends_at_step(step, num_devices)
+    shard = schedule.shard_at_step(device, step, num_devices)
+    send = forward_lhs_tiles(peer_recv_gmem.at[schedule.send_slot(step)],
+                             cta_tile_m=config.cta_tile_m, tile_k=config.tile_k,
+                             enabled=is_sender_wg & sends)
+    emit_ws_matmul(lhs_src_gmem, rhs_gmem, out_gmem.at[pl.ds(shard * m_shard, m_shard)],
+                   config=config, pipeline_callback=send, delay_release=SEND_DELAY_RELEASE)
+
+    @pl.when(is_sender_wg & sends)
+    def _signal():
+      # The peer may read the slot only once the writes have landed, not
+      # merely once this block's SMEM was read.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+      pl.semaphore_signal(received, device_id=peer)
+
+    @pl.when(sends)
+    def _wait():
+      # Every block reads every M tile of the next shard, which other blocks
+      # of the sender may have forwarded: wait for all of them.
+      pl.semaphore_wait(received, value=schedule.semaphore_target(step, num_blocks),
+                        decrement=False)
+
+  # Step 0 reads the local shard; later steps read what the successor sent.
+  device_step(lhs_gmem, 0)
+
+  @pl.loop(1, num_devices)
+  def _steps(step):
+    device_step(recv_gmem.at[schedule.read_slot(step)], step)
+
+
+def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: TuningConfig,
+                          dtype=None) -> jax.Array:
+  """`all_gather(lhs, axis_name) @ rhs` with the Mosaic ring kernel; call inside `jax.shard_map`.
+
+  The mesh axis must span every device of the job, with one process for all
+  GPUs (or one per GPU where NVSHMEM is available), on Hopper GPUs.
+
+  Args:
+    lhs: (M_shard, K) float16 or bfloat16, this device's rows; M_shard a
+      multiple of `config.cta_tile_m`.
+    rhs: (K, N_shard) of the same dtype, this device's columns; N_shard a
+      multiple of `config.cta_tile_n`, K of `config.tile_k`.
+    axis_name: the mesh axis the LHS is sharded over (D devices).
+    config: the warp-specialized matmul's config (`pipelines.TuningConfig`).
+    dtype: output dtype, float16 or bfloat16; the operand dtype by default.
+
+  Returns:
+    (D * M_shard, N_shard) of `dtype`: row block j is `lhs_j @ rhs`, with
+    float32 accumulation.
+  """
+  interpreting = is_interpreting()
+  # Simulated devices (interpret mode) may be a part of the job's CPU devices.
+  num_devices = topology.ring_axis_size(axis_name, span_all_devices=not interpreting)
+  problem, out_dtype = check_ring_operands(lhs, rhs, dtype, config)
+  if not interpreting:
+    support = topology.mosaic_ring_support(num_devices)
+    if not support.supported:
+      raise NotImplementedError(f"the Mosaic ring kernel cannot run here: {support.reason}; "
+                                "use collectives.all_gather_matmul, which falls back to the "
+                                "portable XLA ring")
+  num_tiles = (problem.m // config.cta_tile_m) * (problem.n // config.cta_tile_n)
+  num_blocks = min(device_facts().sm_count, num_tiles)
+  kernel = plgpu.kernel(
+      functools.partial(_ring_kernel, axis_name=axis_name, num_devices=num_devices,
+                        num_blocks=num_blocks, config=config),
+      out_type=(
+          jax.ShapeDtypeStruct((num_devices * problem.m, problem.n), out_dtype),
+          # Where the D - 1 shards forwarded by the ring successor land.
+          jax.ShapeDtypeStruct((max(schedule.num_scratch_slots(num_devices), 1), problem.m,
+                                problem.k), problem.dtype),
+      ),
+      grid=(num_blocks,),
+      grid_names=(SM_AXIS,),
+      num_threads=NUM_COMPUTE_WGS + 1,
+      thread_name=WG_AXIS,
+      compiler_params=compiler_params(),
+      interpret=interpret_params(),
+      kernel_name="ring_all_gather_matmul",
+  )
+  out, _ = kernel(lhs, rhs)
+  return out

@@ -1,0 +1,164 @@
+"""The ring kernel's single-device parts, its lowering and its validation.
+
+The LHS forwarding (`forward_lhs_tiles` with `delay_release`) runs here on one
+device with a local destination; the ring itself, across devices, is
+`ring_matmul_multi_gpu_test.py`.
+"""
+
+import dataclasses
+import functools
+import logging
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import collectives
+from collectives import ring_matmul_sm90, sharding, topology
+from core import interpret, interpret_params, testing
+from pipelines import MatmulDimension, TuningConfig, emit_ws_matmul, matmul_reference
+from pipelines.config import NUM_COMPUTE_WGS
+from pipelines.ws_matmul_sm90 import SM_AXIS, WG_AXIS
+
+SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_m=64,
+                     epi_tile_n=32, grid_tile_width=2, wg_dimension=MatmulDimension.M)
+
+
+def matmul_forwarding_lhs(lhs, rhs, *, config: TuningConfig, num_blocks: int):
+  """(lhs @ rhs, copy of lhs): the ring kernel's send path, aimed at a local buffer."""
+  def body(lhs_gmem, rhs_gmem, out_gmem, lhs_copy_gmem):
+    sender = jax.lax.axis_index(WG_AXIS) == ring_matmul_sm90.SENDER_WG
+    forward = ring_matmul_sm90.forward_lhs_tiles(
+        lhs_copy_gmem, cta_tile_m=config.cta_tile_m, tile_k=config.tile_k, enabled=sender)
+    emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config, pipeline_callback=forward,
+                   delay_release=ring_matmul_sm90.SEND_DELAY_RELEASE)
+
+  (m, k), n = lhs.shape, rhs.shape[1]
+  return plgpu.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct((m, n), lhs.dtype), jax.ShapeDtypeStruct((m, k), lhs.dtype)),
+      grid=(num_blocks,), grid_names=(SM_AXIS,), num_threads=NUM_COMPUTE_WGS + 1,
+      thread_name=WG_AXIS, interpret=interpret_params(),
+  )(lhs, rhs)
+
+
+
+class ForwardLhsTilesTest(testing.KernelTestCase):
+
+  @parameterized.product(wg_dimension=list(MatmulDimension), num_blocks=[1, 3])
+  def test_every_lhs_tile_is_forwarded_and_the_product_is_right(self, wg_dimension, num_blocks):
+    # Several N tiles per M band (only the first sends) and several tiles per
+    # block (slots reused across tiles while copies may be in flight).
+    config = dataclasses.replace(SMALL, wg_dimension=wg_dimension)
+    lhs = testing.random_array(0, (256, 192), jnp.float16)
+    rhs = testing.random_array(1, (192, 256), jnp.float16)
+    out, lhs_copy = self.run_kernel(
+        functools.partial(matmul_forwarding_lhs, config=config, num_blocks=num_blocks),
+        lhs, rhs, out_bytes=2 * 256 * 448)
+    np.testing.assert_array_equal(np.asarray(lhs_copy), np.asarray(lhs))
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+  def test_real_size(self):
+    if self.backend != testing.GPU:
+      self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
+    config = TuningConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=3,
+                          epi_tile_n=128, wg_dimension=MatmulDimension.M)
+    lhs = testing.random_array(2, (1024, 4096), jnp.bfloat16)
+    rhs = testing.random_array(3, (4096, 4096), jnp.bfloat16)
+    out, lhs_copy = self.run_kernel(
+        functools.partial(matmul_forwarding_lhs, config=config, num_blocks=132),
+        lhs, rhs, out_bytes=2 * 1024 * 8192)
+    np.testing.assert_array_equal(np.asarray(lhs_copy), np.asarray(lhs))
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.bfloat16)
+
+
+class OneDeviceTest(testing.KernelTestCase):
+
+  def test_ring_kernel_on_one_device(self):
+    mesh = sharding.ring_mesh(1)
+    lhs = testing.random_array(4, (256, 128), jnp.bfloat16)
+    rhs = testing.random_array(5, (128, 128), jnp.bfloat16)
+    run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=SMALL)
+    out = self.run_kernel(run, *sharding.place_operands(lhs, rhs, mesh), out_bytes=256 * 256)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.bfloat16)
+
+  def test_dispatch_on_one_gpu_takes_the_local_matmul(self):
+    if self.backend != testing.GPU:
+      self.skipTest("on CPU the dispatcher takes the XLA ring (portable_test)")
+    mesh = sharding.ring_mesh(1)
+    lhs = testing.random_array(6, (1024, 512), jnp.float16)
+    rhs = testing.random_array(7, (512, 1024), jnp.float16)
+    with self.assertLogs("collectives", logging.DEBUG) as logs:
+      run = sharding.ring_matmul_fn(collectives.all_gather_matmul, mesh)
+      out = self.run_kernel(run, *sharding.place_operands(lhs, rhs, mesh), out_bytes=2 << 20)
+    self.assertIn("local", "\n".join(logs.output))
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+
+def ring_spec(num_devices, m_shard, k, n_shard, dtype=jnp.float16):
+  mesh = sharding.ring_mesh(num_devices)
+  return mesh, sharding.abstract_operands(
+      jax.ShapeDtypeStruct((num_devices * m_shard, k), dtype),
+      jax.ShapeDtypeStruct((k, num_devices * n_shard), dtype), mesh)
+
+
+class LoweringAndValidationTest(parameterized.TestCase):
+
+  def test_lowers_for_cuda_across_all_devices(self):
+    """The full ring (remote refs, semaphores) lowers to a Mosaic GPU kernel on CPU."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("the GPU tests run the kernel itself")
+    num_devices = jax.device_count()
+    self.assertGreater(num_devices, 1, "run with XLA_FLAGS=--xla_force_host_platform_device_count")
+    config = TuningConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=3,
+                          epi_tile_n=128, wg_dimension=MatmulDimension.M)
+    mesh, args = ring_spec(num_devices, 256, 512, 512)
+    run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=config)
+    supported = topology.RingSupport(True, "lowering only")
+    with interpret.interpret_disabled(), mock.patch.object(
+        topology, "mosaic_ring_support", return_value=supported):
+      text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    self.assertIn("mosaic_gpu", text)
+
+  def test_refuses_to_run_where_peers_are_unreachable(self):
+    if jax.default_backend() == "gpu":
+      self.skipTest("checks the CPU refusal")
+    mesh, args = ring_spec(jax.device_count(), 128, 64, 64)
+    run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=SMALL)
+    with interpret.interpret_disabled(), self.assertRaisesRegex(
+        NotImplementedError, "cannot run here: the backend is 'cpu'"):
+      run.trace(*args)
+
+  def test_smem_model_with_delayed_release(self):
+    """The budget counts the tile-drained barrier that `delay_release` adds."""
+    config = TuningConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=3,
+                          epi_tile_n=128, wg_dimension=MatmulDimension.M)
+    args = (jax.ShapeDtypeStruct((1024, 2048), jnp.float16),
+            jax.ShapeDtypeStruct((2048, 1024), jnp.float16))
+    fn = functools.partial(matmul_forwarding_lhs, config=config, num_blocks=8)
+    budget = config.smem_budget(2048, jnp.float16, jnp.float16,
+                                delay_release=ring_matmul_sm90.SEND_DELAY_RELEASE)
+    self.assertEqual(testing.mosaic_smem_bytes(fn, *args), budget.total_bytes)
+
+  def test_bad_shapes_and_configs(self):
+    cases = [
+        ((100, 64, 64), SMALL, "M_shard .* must be a multiple of the CTA tile 128"),
+        ((128, 64, 96), SMALL, "N_shard .* must be a multiple of the CTA tile 64"),
+        ((128, 96, 64), SMALL, "K=96 must be a multiple of tile_k=64"),
+        ((256, 4096, 512), TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=4,
+                                        epi_tile_n=128, wg_dimension=MatmulDimension.M),
+         "needs 262216 bytes of shared memory"),
+    ]
+    for (m_shard, k, n_shard), config, message in cases:
+      mesh, args = ring_spec(1, m_shard, k, n_shard)
+      run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=config)
+      with self.subTest(message), interpret.interpret_mode(), \
+          self.assertRaisesRegex(ValueError, message):
+        run.trace(*args)
+
+
+if __name__ == "__main__":
+  absltest.main()
