@@ -2,7 +2,7 @@
 
     nox -s tests        ./bazelw test //...  (CPU tests, lint, consumer workspace)
     nox -s lint         ruff check
-    nox -s examples     ./bazelw run //examples:quickstart
+    nox -s examples     ./bazelw run //examples:allgather_matmul (the main job)
     nox -s gpu_tests    pytest on a GPU machine, with requirements/cuda12.lock.txt
 
 Bazel manages its own Python environment (bazel/python.bzl); only gpu_tests and lint make
@@ -39,9 +39,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def examples(session: nox.Session) -> None:
-    """The quickstart example: ./bazelw run //examples:quickstart."""
+    """The main job: ./bazelw run //examples:allgather_matmul [-- flags]."""
     session.run(
-        str(ROOT / "bazelw"), "run", "//examples:quickstart", *session.posargs, external=True
+        str(ROOT / "bazelw"), "run", "//examples:allgather_matmul", *session.posargs,
+        external=True,
     )
 
 

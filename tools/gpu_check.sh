@@ -6,6 +6,11 @@
 #   tools/gpu_check.sh tests            # every test file, MGPU_TEST_BACKEND=gpu
 #   tools/gpu_check.sh tune SHAPES...   # autotune_matmul, updates the tuning cache
 #   tools/gpu_check.sh bench [FLAGS]    # bench_matmul
+#   tools/gpu_check.sh main [FLAGS]     # examples/allgather_matmul, the main job
+#   tools/gpu_check.sh bench_allgather [FLAGS]   # bench_allgather_matmul (2+ GPUs)
+#
+# Tests tagged multi_gpu are in the same files; their cases skip, saying why,
+# when the host has fewer GPUs than they need.
 #
 # Logs and results go to $OUT (default ./out).
 set -uo pipefail
@@ -19,7 +24,7 @@ shift
 case "$step" in
   tests)
     $PY -m pytest -q -rs -o python_files='*_test.py' -p no:cacheprovider \
-      core pipelines "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+      core pipelines collectives tools "$@" 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   tune)
     $PY tools/autotune_matmul.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/autotune.log"
@@ -27,8 +32,14 @@ case "$step" in
   bench)
     $PY tools/bench_matmul.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
     ;;
+  main)
+    $PY -m examples.allgather_matmul "$@" 2>&1 | tee "$OUT/allgather_matmul.log"
+    ;;
+  bench_allgather)
+    $PY -m tools.bench_allgather_matmul --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/bench_allgather.log"
+    ;;
   *)
-    echo "usage: $0 tests|tune|bench [args]" >&2
+    echo "usage: $0 tests|tune|bench|main|bench_allgather [args]" >&2
     exit 2
     ;;
 esac

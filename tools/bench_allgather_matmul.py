@@ -1,0 +1,76 @@
+"""Benchmarks the all-gather matmul against NCCL all-gather + cuBLAS, per device count.
+
+    bazel run //tools:bench_allgather_matmul -- --out_dir=/tmp/bench
+
+The reference results' problem by default: float16, M_shard 1024, K 4096,
+N_shard 4096 on 2, 4 and 8 GPUs (the counts this host has). Prints the table
+of `tools.collective_table` and writes `allgather_matmul_bench.json` and
+`allgather_matmul_bench.png` to `--out_dir`. Needs Hopper GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+from tools import collective_table, launch, report
+
+_DEVICE_COUNTS = flags.DEFINE_list("device_counts", ["2", "4", "8"], "Ring sizes.")
+_M_SHARD = flags.DEFINE_integer("m_shard", 1024, "LHS rows per device.")
+_K = flags.DEFINE_integer("k", 4096, "Contraction size.")
+_N_SHARD = flags.DEFINE_integer("n_shard", 4096, "RHS columns per device.")
+_DTYPE = flags.DEFINE_enum("dtype", "float16", ["float16", "bfloat16"], "Operand dtype.")
+_CONFIGS = flags.DEFINE_multi_string("config", [""], "TuningConfig fields (repeat to compare); "
+                                     "empty: the matmul heuristic.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per measurement.")
+_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"), "Where results go.")
+
+
+def plot(rows: list[dict], path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  counts = sorted({r["devices"] for r in rows})
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for label, key in (("all-gather matmul", "kernel_util"), ("lower bound", "lower_bound_util"),
+                     ("NCCL all-gather + cuBLAS", "baseline_util")):
+    for config in sorted({r["config"] for r in rows}):
+      points = [(r["devices"], 100 * r[key]) for r in rows if r["config"] == config and key in r]
+      suffix = f" [{config}]" if len({r["config"] for r in rows}) > 1 else ""
+      ax.plot(*zip(*points, strict=True), marker="o", label=label + suffix)
+  ax.set_xticks(counts)
+  ax.set_xlabel("GPUs")
+  ax.set_ylabel("tensor-core utilization, %")
+  ax.set_title("all-gather matmul (per-device problem "
+               f"{rows[0]['m_shard']}x{rows[0]['k']}x{rows[0]['n_shard']} {rows[0]['dtype']})")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  if not launch.gpu_count():
+    raise SystemExit("bench_allgather_matmul needs Hopper GPUs; nvidia-smi lists none. "
+                     "`bazel run //examples:allgather_matmul` runs the portable path on CPU.")
+  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  problem = collective_table.LocalProblem(m_shard=_M_SHARD.value, k=_K.value,
+                                          n_shard=_N_SHARD.value, dtype=_DTYPE.value)
+  rows = []
+  for config in _CONFIGS.value:
+    rows += collective_table.measure_rows([int(c) for c in _DEVICE_COUNTS.value], problem,
+                                          config_text=config, iterations=_ITERATIONS.value)
+  report.print_table(rows, ("config",) + collective_table.COLUMNS)
+  report.write_json(os.path.join(_OUT_DIR.value, "allgather_matmul_bench.json"), rows)
+  if rows:
+    try:
+      plot(rows, os.path.join(_OUT_DIR.value, "allgather_matmul_bench.png"))
+    except ImportError:
+      print("matplotlib is not installed: no plot written")
+
+
+if __name__ == "__main__":
+  app.run(main)

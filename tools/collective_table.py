@@ -1,0 +1,179 @@
+"""The collective matmul table: one row per device count, measured in this process.
+
+A row times, on random normal operands in the ring layout, for D devices and
+one local problem (M_shard, K, N_shard):
+  * the all-gather matmul (`collectives.all_gather_matmul`, which says which
+    implementation it took), checked against a float32 XLA reference;
+  * the baseline: `lax.all_gather` then one dot (NCCL + cuBLAS on GPUs);
+  * on GPUs, the lower bound: D times the single-GPU matmul of the local
+    shard problem, plus `ROUND_LATENCY_US` per communication round;
+and, on GPUs, each time as tensor-core utilization: the FLOPs of one device
+(2 * D * M_shard * K * N_shard) over the device's peak rate times the time.
+
+GPU times are CUPTI kernel times averaged over the devices (`core.timing`);
+CPU times are wall-clock medians and only show that the path runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding
+
+import collectives
+from collectives import sharding
+from core import device_facts, has_gpu, timing
+from core.numerics import RELATIVE_TOLERANCE, relative_error_on_device
+from pipelines import TuningConfig, matmul
+from tools import cli, launch
+
+# Latency of one NVLink send-and-signal round, for the lower bound.
+ROUND_LATENCY_US = 6.0
+COLUMNS = ("devices", "implementation", "kernel_us", "kernel_util", "lower_bound_us",
+           "lower_bound_util", "baseline_us", "baseline_util", "speedup", "rel_error")
+CPU_ITERATIONS = 5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalProblem:
+  """What one device holds: lhs (m_shard, k), rhs (k, n_shard)."""
+
+  m_shard: int
+  k: int
+  n_shard: int
+  dtype: str = "float16"
+
+  def flops_per_device(self, num_devices: int) -> int:
+    return 2 * num_devices * self.m_shard * self.k * self.n_shard
+
+
+def _time_wall(fn, args, iterations: int) -> tuple[float, jax.Array]:
+  out = jax.block_until_ready(fn(*args))  # Compile and warm up.
+  times = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e6)
+  return statistics.median(times), out
+
+
+def _float32_reference(mesh):
+  def ref(lhs, rhs):
+    return jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST,
+                   out_sharding=NamedSharding(mesh, sharding.OUT_SPEC))
+  return jax.jit(ref)
+
+
+def measure_row(num_devices: int, problem: LocalProblem, *, config: TuningConfig | None = None,
+                implementation: str = "auto", iterations: int = timing.DEFAULT_ITERATIONS
+                ) -> dict:
+  """Measures one row of the table on the first `num_devices` devices of the job."""
+  mesh = sharding.ring_mesh(num_devices)
+  d, p = num_devices, problem
+  lhs, rhs = cli.random_operands(d * p.m_shard, p.k, d * p.n_shard, p.dtype)
+  args = sharding.place_operands(lhs, rhs, mesh)
+  kernel = sharding.ring_matmul_fn(collectives.all_gather_matmul, mesh, config=config,
+                                   implementation=implementation)
+  baseline = sharding.ring_matmul_fn(collectives.all_gather_then_matmul, mesh)
+  row = dict(devices=d, m_shard=p.m_shard, k=p.k, n_shard=p.n_shard, dtype=p.dtype,
+             implementation=collectives.choose_implementation(d, implementation)
+             .implementation.value, config=repr(config) if config else "default")
+  flops = p.flops_per_device(d)
+  if has_gpu():
+    kernel_t, out = timing.time_gpu("kernel", kernel, args, flops=flops, iterations=iterations,
+                                    num_devices=d)
+    baseline_t, _ = timing.time_gpu("baseline", baseline, args, flops=flops,
+                                    iterations=iterations, num_devices=d)
+    local_args = cli.random_operands(p.m_shard, p.k, p.n_shard, p.dtype, seed=7)
+    local_t, _ = timing.time_gpu("local matmul", functools.partial(matmul, config=config),
+                                 local_args, flops=flops // d, iterations=iterations)
+    peak = device_facts().dense_16bit_flops
+    lower_us = d * local_t.median_us + ROUND_LATENCY_US * (d - 1)
+    row.update(timer="cupti", kernel_us=kernel_t.median_us, baseline_us=baseline_t.median_us,
+               local_matmul_us=local_t.median_us, lower_bound_us=lower_us,
+               kernel_util=flops / peak / (kernel_t.median_us * 1e-6),
+               baseline_util=flops / peak / (baseline_t.median_us * 1e-6),
+               lower_bound_util=flops / peak / (lower_us * 1e-6))
+  else:
+    kernel_us, out = _time_wall(kernel, args, CPU_ITERATIONS)
+    baseline_us, _ = _time_wall(baseline, args, CPU_ITERATIONS)
+    row.update(timer="wall clock (CPU)", kernel_us=kernel_us, baseline_us=baseline_us)
+  row["speedup"] = row["baseline_us"] / row["kernel_us"]
+  row["rel_error"] = relative_error_on_device(out, _float32_reference(mesh)(*args))
+  row["correct"] = row["rel_error"] <= RELATIVE_TOLERANCE[jnp.dtype(p.dtype)]
+  return row
+
+
+def measure_rows(device_counts, problem: LocalProblem, *, config_text: str = "",
+                 implementation: str = "auto", iterations: int = timing.DEFAULT_ITERATIONS,
+                 in_process: bool = False) -> list[dict]:
+  """One row per device count that this host can run.
+
+  On a GPU host each row runs in its own process that sees only its D GPUs
+  (the Mosaic kernel needs its ring to span every device of the job), so this
+  process never touches a GPU. On CPU, or with `in_process` (a job of several
+  processes, where every process must take part), the rows run here, on the
+  first D devices of the job.
+  """
+  config = cli.parse_config(TuningConfig, config_text) if config_text else None
+  available = None if in_process else (launch.gpu_count() or None)
+  rows = []
+  for d in device_counts:
+    if available is None:
+      if d > jax.device_count():
+        print(f"skipping {d} devices: this job has {jax.device_count()}")
+        continue
+      rows.append(measure_row(d, problem, config=config, implementation=implementation,
+                              iterations=iterations))
+    elif d > available:
+      print(f"skipping {d} devices: this host has {available} GPUs")
+    else:
+      rows.append(_measure_row_in_child(d, problem, config_text, implementation, iterations))
+  return rows
+
+
+def _measure_row_in_child(num_devices, problem, config_text, implementation, iterations) -> dict:
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "row.json")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(num_devices))))
+    subprocess.run([sys.executable, "-m", "tools.collective_table", f"--devices={num_devices}",
+                    f"--m_shard={problem.m_shard}", f"--k={problem.k}",
+                    f"--n_shard={problem.n_shard}", f"--dtype={problem.dtype}",
+                    f"--config={config_text}", f"--implementation={implementation}",
+                    f"--iterations={iterations}", f"--row_json={path}"],
+                   env=env, check=True)
+    with open(path) as f:
+      return json.load(f)
+
+
+def _child_main() -> None:
+  """Measures one row on every visible device and writes it as JSON (see measure_rows)."""
+  parser = argparse.ArgumentParser()
+  for name in ("devices", "m_shard", "k", "n_shard", "iterations"):
+    parser.add_argument(f"--{name}", type=int, required=True)
+  for name in ("dtype", "config", "implementation", "row_json"):
+    parser.add_argument(f"--{name}", required=True)
+  a = parser.parse_args()
+  config = cli.parse_config(TuningConfig, a.config) if a.config else None
+  row = measure_row(a.devices, LocalProblem(m_shard=a.m_shard, k=a.k, n_shard=a.n_shard,
+                                            dtype=a.dtype),
+                    config=config, implementation=a.implementation, iterations=a.iterations)
+  with open(a.row_json, "w") as f:
+    json.dump(row, f)
+
+
+if __name__ == "__main__":
+  _child_main()
