@@ -66,10 +66,7 @@ def main(argv):
   report.print_table(rows, ("config",) + collective_table.COLUMNS)
   report.write_json(os.path.join(_OUT_DIR.value, "allgather_matmul_bench.json"), rows)
   if rows:
-    try:
-      plot(rows, os.path.join(_OUT_DIR.value, "allgather_matmul_bench.png"))
-    except ImportError:
-      print("matplotlib is not installed: no plot written")
+    report.write_plot(plot, rows, os.path.join(_OUT_DIR.value, "allgather_matmul_bench.png"))
 
 
 if __name__ == "__main__":

@@ -121,10 +121,7 @@ def main(argv):
     if ratios:
       print(f"median ratio to jnp.dot, {kernel}: {statistics.median(ratios):.3f}")
   report.write_json(os.path.join(_OUT_DIR.value, "matmul_bench.json"), records)
-  try:
-    plot(records, os.path.join(_OUT_DIR.value, "matmul_bench.png"))
-  except ImportError:
-    print("matplotlib is not installed: no plot written")
+  report.write_plot(plot, records, os.path.join(_OUT_DIR.value, "matmul_bench.png"))
 
 
 if __name__ == "__main__":

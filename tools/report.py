@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def write_json(path: str, records: list[dict]) -> None:
@@ -22,3 +22,11 @@ def print_table(rows: list[dict], columns: Sequence[str]) -> None:
   print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
   for row in cells:
     print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+
+
+def write_plot(plot: Callable[[list[dict], str], None], records: list[dict], path: str) -> None:
+  """Draws `plot(records, path)`; says so instead of failing where matplotlib is missing."""
+  try:
+    plot(records, path)
+  except ImportError:
+    print(f"matplotlib is not installed: {path} not written")
