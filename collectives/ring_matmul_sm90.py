@@ -13,10 +13,12 @@ Synchronization, per step:
     the slot alive one step longer, and the next step's callback waits for
     the copy to finish reading it (`wait_smem_to_gmem(1, wait_read_only=True)`);
   * after its share of the step, every block of the sender waits until its
-    copies have landed in the peer's GMEM and signals the peer's semaphore;
-  * before reading scratch slot i, every block of the receiver waits until the
-    semaphore counts all blocks' signals for step i (never decremented, so the
-    target grows by the block count each step).
+    copies have landed in the peer's GMEM and signals the peer's semaphore of
+    that scratch slot;
+  * before reading scratch slot i, every block of the receiver waits until that
+    slot's semaphore counts a signal from every block of the sender (one
+    semaphore per slot: blocks do not run in lockstep, so a count shared by
+    all steps could be completed by a block that is a step ahead).
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ def _ring_kernel(lhs_gmem, rhs_gmem, out_gmem, recv_gmem, *, axis_name, num_devi
     emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config)
     return
   m_shard = lhs_gmem.shape[0]
-  received = pl.get_global(plgpu.SemaphoreType.REGULAR)
+  # received.at[slot] counts the sender's blocks whose part of the slot landed.
+  received = pl.get_global(
+      plgpu.SemaphoreType.REGULAR((schedule.num_scratch_slots(num_devices),)))
   device = lax.axis_index(axis_name)
   peer = schedule.send_target(device, num_devices)
   peer_recv_gmem = plgpu.remote_ref(recv_gmem, peer)
@@ -119,14 +123,15 @@ def _ring_kernel(lhs_gmem, rhs_gmem, out_gmem, recv_gmem, *, axis_name, num_devi
       # The peer may read the slot only once the writes have landed, not
       # merely once this block's SMEM was read.
       plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      pl.semaphore_signal(received, device_id=peer)
+      pl.semaphore_signal(received.at[schedule.send_slot(step)], device_id=peer)
 
     @pl.when(sends)
     def _wait():
       # Every block reads every M tile of the next shard, which other blocks
-      # of the sender may have forwarded: wait for all of them.
-      pl.semaphore_wait(received, value=schedule.semaphore_target(step, num_blocks),
-                        decrement=False)
+      # of the sender may have forwarded: wait for all of them. Never
+      # decremented, so every block of this device can wait on the same count.
+      pl.semaphore_wait(received.at[schedule.read_slot(step + 1)],
+                        value=schedule.signals_per_slot(num_blocks), decrement=False)
 
   # Step 0 reads the local shard; later steps read what the successor sent.
   device_step(lhs_gmem, 0)

@@ -132,6 +132,18 @@ class LoweringAndValidationTest(parameterized.TestCase):
         NotImplementedError, "cannot run here: the backend is 'cpu'"):
       run.trace(*args)
 
+  def test_one_process_per_gpu_without_nvshmem_falls_back_and_says_why(self):
+    with mock.patch.object(jax, "default_backend", return_value="gpu"), \
+        mock.patch.object(topology, "process_layout",
+                          return_value=topology.ProcessLayout.ONE_PER_DEVICE), \
+        mock.patch.object(topology, "nvshmem_available", return_value=False):
+      support = topology.mosaic_ring_support(jax.device_count())
+      choice = collectives.choose_implementation(jax.device_count())
+    self.assertFalse(support.supported)
+    self.assertIn("needs NVSHMEM", support.reason)
+    self.assertEqual(choice.implementation, collectives.Implementation.XLA_RING)
+    self.assertEqual(choice.reason, support.reason)
+
   def test_smem_model_with_delayed_release(self):
     """The budget counts the tile-drained barrier that `delay_release` adds."""
     config = TuningConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=3,

@@ -49,11 +49,13 @@ def read_slot(step):
   return step - 1
 
 
-def semaphore_target(step, num_blocks: int):
-  """Count the receive semaphore must reach before step `step + 1` may read slot `step`.
+def signals_per_slot(num_blocks: int) -> int:
+  """Signals a scratch slot's semaphore gets: one per block of the sender.
 
-  Every block of the sender signals once per step, after its own copies of
-  that step have landed, and the semaphore is never decremented, so the count
-  grows by `num_blocks` per step.
+  Each slot has a semaphore of its own, signalled once by every block of the
+  sender after that block's copies into the slot have landed, so a count of
+  `num_blocks` means the whole slot is there. (One counter shared by all
+  steps would not: a fast block could signal step s + 1 before a slow one
+  signalled step s, and the count would reach its target early.)
   """
-  return (step + 1) * num_blocks
+  return num_blocks

@@ -1,0 +1,88 @@
+"""The Mosaic ring kernel across devices: real GPUs (multi_gpu tag) or simulated CPU devices.
+
+On CPU the kernel runs in GPU interpret mode extended with semaphores and
+peer memory (`core.interpret_collectives`) on 2 and 4 of the 8 simulated
+devices, with race detection across devices; a variant whose receivers do
+not wait for the sender's signal must be caught. On GPUs it runs over every
+GPU of the host (one process for all of them) at the reference problem size.
+"""
+
+import dataclasses
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+import collectives
+from collectives import ring_matmul_sm90, sharding
+from core import interpret, interpret_collectives, testing
+from pipelines import MatmulDimension, TuningConfig
+
+SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_m=64,
+                     epi_tile_n=32, grid_tile_width=2, wg_dimension=MatmulDimension.M)
+# Bounds a wait on a signal that never comes (a broken kernel) in CI.
+WAIT_TIMEOUT_S = 60.0
+
+
+def run_ring(num_devices, m_shard, k, n_shard, dtype, config, seed=0):
+  mesh = sharding.ring_mesh(num_devices)
+  lhs = testing.random_array(seed, (num_devices * m_shard, k), dtype)
+  rhs = testing.random_array(seed + 1, (k, num_devices * n_shard), dtype)
+  run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=config)
+  return run(*sharding.place_operands(lhs, rhs, mesh)), lhs, rhs
+
+
+def reference(lhs, rhs):
+  return jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+
+
+class RingKernelTest(testing.KernelTestCase):
+
+  min_gpus = 2
+
+  def setUp(self):
+    super().setUp()
+    if self.backend == testing.INTERPRET:
+      self.enter_context(interpret_collectives.collective_interpret_mode(
+          wait_timeout_s=WAIT_TIMEOUT_S))
+
+  def simulated_devices(self, num_devices):
+    if self.backend != testing.INTERPRET:
+      self.skipTest("simulated ring sizes run in interpret mode; the GPU run uses every GPU")
+    if num_devices > jax.device_count():
+      self.skipTest(f"needs {num_devices} simulated devices, the job has {jax.device_count()}")
+
+  @parameterized.product(num_devices=[2, 4], wg_dimension=list(MatmulDimension))
+  def test_simulated_ring_matches_reference(self, num_devices, wg_dimension):
+    self.simulated_devices(num_devices)
+    config = dataclasses.replace(SMALL, wg_dimension=wg_dimension)
+    # Two M tiles and two N tiles per device: several blocks send, and only
+    # the first N tile of each M band forwards it.
+    m_shard, n_shard = 2 * config.cta_tile_m, 2 * config.cta_tile_n
+    out, lhs, rhs = self.run_kernel(run_ring, num_devices, m_shard, 128, n_shard,
+                                    jnp.float16, config)
+    self.assertEqual(out.shape, (num_devices * m_shard, num_devices * n_shard))
+    self.assert_close(out, reference(lhs, rhs), dtype=jnp.float16)
+
+  def test_receiver_that_does_not_wait_is_caught(self):
+    """The planted bug: reading forwarded shards without waiting for the signal."""
+    self.simulated_devices(2)
+    with mock.patch.object(ring_matmul_sm90.pl, "semaphore_wait", lambda *a, **k: None):
+      jax.block_until_ready(run_ring(2, 128, 128, 64, jnp.float16, SMALL, seed=5)[0])
+    self.assertTrue(interpret.races_found(),
+                    "a receiver read its scratch slots with no wait and no race was reported")
+
+  def test_all_gpus_at_the_reference_size(self):
+    if self.backend != testing.GPU:
+      self.skipTest("the reference size runs on GPUs only")
+    config = TuningConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=3,
+                          epi_tile_n=128, wg_dimension=MatmulDimension.M)
+    out, lhs, rhs = self.run_kernel(run_ring, jax.device_count(), 1024, 4096, 4096,
+                                    jnp.float16, config, out_bytes=2 * 8 * 1024 * 4096 * 8)
+    self.assert_close(out, reference(lhs, rhs), dtype=jnp.float16)
+
+
+if __name__ == "__main__":
+  absltest.main()
