@@ -133,12 +133,14 @@ class LoweringAndValidationTest(parameterized.TestCase):
       run.trace(*args)
 
   def test_one_process_per_gpu_without_nvshmem_falls_back_and_says_why(self):
+    # A 4-GPU job of 4 processes, as this process would see it.
     with mock.patch.object(jax, "default_backend", return_value="gpu"), \
+        mock.patch.object(jax, "device_count", return_value=4), \
         mock.patch.object(topology, "process_layout",
                           return_value=topology.ProcessLayout.ONE_PER_DEVICE), \
         mock.patch.object(topology, "nvshmem_available", return_value=False):
-      support = topology.mosaic_ring_support(jax.device_count())
-      choice = collectives.choose_implementation(jax.device_count())
+      support = topology.mosaic_ring_support(4)
+      choice = collectives.choose_implementation(4)
     self.assertFalse(support.supported)
     self.assertIn("needs NVSHMEM", support.reason)
     self.assertEqual(choice.implementation, collectives.Implementation.XLA_RING)
