@@ -2,12 +2,14 @@
 
 On CPU the kernel runs in GPU interpret mode extended with semaphores and
 peer memory (`core.interpret_collectives`) on 2 and 4 of the 8 simulated
-devices, with race detection across devices; a variant whose receivers do
-not wait for the sender's signal must be caught. On GPUs it runs over every
+devices, with race detection across devices; two planted bugs must be
+caught: receivers that do not wait for the signal, and a sender that signals
+before its copies have landed. On GPUs it runs over every
 GPU of the host (one process for all of them) at the reference problem size.
 """
 
 import dataclasses
+import functools
 from unittest import mock
 
 import jax
@@ -66,13 +68,22 @@ class RingKernelTest(testing.KernelTestCase):
     self.assertEqual(out.shape, (num_devices * m_shard, num_devices * n_shard))
     self.assert_close(out, reference(lhs, rhs), dtype=jnp.float16)
 
-  def test_receiver_that_does_not_wait_is_caught(self):
-    """The planted bug: reading forwarded shards without waiting for the signal."""
+  @parameterized.named_parameters(
+      # The receiver reads its scratch slots without waiting for the signal.
+      ("receiver_does_not_wait", ring_matmul_sm90.pl, "semaphore_wait",
+       lambda *args, **kwargs: None),
+      # The sender signals before its copies have landed: the kernel's only
+      # wait that is not read-only is the one before the signal.
+      ("sender_signals_before_copies_land", ring_matmul_sm90.plgpu, "wait_smem_to_gmem",
+       functools.partial(lambda original, n, wait_read_only=False:
+                         original(n, wait_read_only=True) if wait_read_only else None,
+                         ring_matmul_sm90.plgpu.wait_smem_to_gmem)),
+  )
+  def test_planted_race_is_caught(self, module, name, replacement):
     self.simulated_devices(2)
-    with mock.patch.object(ring_matmul_sm90.pl, "semaphore_wait", lambda *a, **k: None):
+    with mock.patch.object(module, name, replacement):
       jax.block_until_ready(run_ring(2, 128, 128, 64, jnp.float16, SMALL, seed=5)[0])
-    self.assertTrue(interpret.races_found(),
-                    "a receiver read its scratch slots with no wait and no race was reported")
+    self.assertTrue(interpret.races_found(), f"{name} was broken and no race was reported")
 
   def test_all_gpus_at_the_reference_size(self):
     if self.backend != testing.GPU:
