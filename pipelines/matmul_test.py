@@ -138,6 +138,16 @@ class MatmulApiTest(testing.KernelTestCase):
       config = default_config(problem, jnp.float16)
       self.assertTrue(config.smem_budget(k, jnp.float16, jnp.float16, has_bias=True).fits())
 
+  def test_heuristic_fills_the_sms(self):
+    """128x256 CTA tiles while they make a full wave on 132 SMs, smaller ones below that."""
+    from pipelines import default_config
+    from pipelines import operands as ops
+    for (m, k, n), cta in (((4096, 4096, 4096), (128, 256)), ((1024, 4096, 4096), (128, 256)),
+                           ((512, 4096, 4096), (128, 128)), ((256, 8192, 4096), (64, 128))):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
+      config = default_config(problem, jnp.float16)
+      self.assertEqual((config.cta_tile_m, config.cta_tile_n), cta, f"{m}x{k}x{n}")
+
 
 class BadInputTest(parameterized.TestCase):
   """Errors come from our checks, before tracing or compiling anything."""
