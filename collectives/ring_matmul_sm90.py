@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from collectives import schedule, topology
-from core import compiler_params, device_facts, interpret_params, is_interpreting
+from core import compiler_params, device_facts, interpret, interpret_params, is_interpreting
 from pipelines import TuningConfig, emit_ws_matmul
 from pipelines import operands as matmul_operands
 from pipelines.config import NUM_COMPUTE_WGS
@@ -165,6 +165,10 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
   # Simulated devices (interpret mode) may be a part of the job's CPU devices.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=not interpreting)
   problem, out_dtype = check_ring_operands(lhs, rhs, dtype, config)
+  if interpreting and num_devices > 1 and not interpret.can_interpret_collectives():
+    raise NotImplementedError(
+        "the ring kernel on simulated devices needs semaphores and peer memory in interpret "
+        "mode: run it inside core.interpret_collectives.collective_interpret_mode()")
   if not interpreting:
     support = topology.mosaic_ring_support(num_devices)
     if not support.supported:

@@ -79,6 +79,24 @@ def interpret_params() -> plgpu.InterpretGPUParams | None:
   return plgpu.InterpretGPUParams(detect_races=bool(_env_flag(DETECT_RACES_ENV)))
 
 
+_peers_simulated = False
+
+
+def mark_peers_simulated() -> None:
+  """Called by `core.interpret_collectives` once it has extended the interpreter."""
+  global _peers_simulated
+  _peers_simulated = True
+
+
+def can_interpret_collectives() -> bool:
+  """Whether interpret mode can run semaphores and `plgpu.remote_ref` across devices.
+
+  Only after `core.interpret_collectives` is installed (its
+  `collective_interpret_mode()`); plain jax 0.11.2 cannot.
+  """
+  return _peers_simulated
+
+
 def is_interpreting() -> bool:
   """Whether kernels traced now would run in interpret mode."""
   return interpret_params() is not None

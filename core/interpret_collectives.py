@@ -276,6 +276,7 @@ def install() -> None:
     # `PeerMemRef` transform into the peer's allocation key.
     jaxpr_interpret.resolve_ref = _wrap_resolve_ref(jaxpr_interpret.resolve_ref)
     _installed = True
+    interpret.mark_peers_simulated()
 
 
 # --- Trace-time patches ---------------------------------------------------------------
