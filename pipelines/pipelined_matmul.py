@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import accumulator, compiler_params, interpret_params, tile_transforms
+from core import accumulator, compiler_params, interpret_params, smem, tile_transforms
 from core.memory import swizzle_elems
 from pipelines import operands
 from pipelines.config import PipelinedConfig, check_swizzle
@@ -64,8 +64,7 @@ def _pipelined_matmul_kernel(lhs_gmem, rhs_gmem, out_gmem, *, config: PipelinedC
     plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[m_slice, n_slice])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  pl.run_scoped(store, plgpu.SMEM((tile_m, tile_n), out_gmem.dtype,
-                                  transforms=tile_transforms(tile_n, out_gmem.dtype)))
+  pl.run_scoped(store, smem((tile_m, tile_n), out_gmem.dtype, swizzled=True))
 
 
 def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,

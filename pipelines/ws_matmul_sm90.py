@@ -28,7 +28,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import accumulator, compiler_params, device_facts, interpret_params, tile_transforms
+from core import (
+    accumulator,
+    barrier,
+    compiler_params,
+    device_facts,
+    interpret_params,
+    smem,
+    tile_transforms,
+)
 from core.memory import swizzle_elems
 from pipelines import operands
 from pipelines.config import NUM_COMPUTE_WGS, MatmulDimension, TuningConfig, check_swizzle
@@ -94,18 +102,17 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   # output tile and no scoped allocation (a block-wide sync) sits in the loop.
   scratch = dict(
       pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem),
-      out_smem=plgpu.SMEM((NUM_COMPUTE_WGS, slots, epi_m, epi_n), out_dtype,
-                          transforms=tile_transforms(epi_n, out_dtype)),
+      out_smem=smem((NUM_COMPUTE_WGS, slots, epi_m, epi_n), out_dtype, swizzled=True),
   )
   if delay_release:
     # The pipeline never waits for the release of a tile's last
     # `delay_release` steps, so the memory warpgroup could refill those slots
     # for the next tile while a wgmma or a callback's copy still reads them.
     # The compute warpgroups arrive here once they are done with every slot.
-    scratch["tile_drained"] = plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS)
+    scratch["tile_drained"] = barrier(num_arrivals=NUM_COMPUTE_WGS)
   if bias_gmem is not None:
-    scratch["bias_smem"] = plgpu.SMEM((NUM_COMPUTE_WGS, tile_n), out_dtype)
-    scratch["bias_barrier"] = plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
+    scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, tile_n), out_dtype)
+    scratch["bias_barrier"] = barrier(num_barriers=NUM_COMPUTE_WGS)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
   def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_barrier=None):
