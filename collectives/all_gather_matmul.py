@@ -13,7 +13,7 @@ import logging
 
 import jax
 
-from collectives import portable, ring_matmul_sm90, topology
+from collectives import operands, portable, ring_matmul_sm90, topology
 from pipelines import TuningConfig, default_config, matmul
 
 _log = logging.getLogger("collectives")
@@ -68,7 +68,7 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     (D * M_shard, N_shard) of `dtype`; row block j is `lhs_j @ rhs`.
   """
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=False)
-  problem, out_dtype = ring_matmul_sm90.check_ring_operands(lhs, rhs, dtype, None)
+  problem, out_dtype = operands.check_shards(lhs, rhs, dtype)
   choice = choose_implementation(num_devices, implementation)
   _log.debug("all_gather_matmul over %d devices of %s: %s (%s)", num_devices, axis_name,
              choice.implementation.value, choice.reason)

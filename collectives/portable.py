@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from collectives import schedule, topology
-from collectives.ring_matmul_sm90 import check_ring_operands
+from collectives import operands, schedule, topology
 from pipelines import TuningConfig
 
 
@@ -41,19 +40,19 @@ def ring_all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   """
   del config  # XLA picks its own tiling.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=False)
-  problem, out_dtype = check_ring_operands(lhs, rhs, dtype, None)
+  problem, out_dtype = operands.check_shards(lhs, rhs, dtype)
   device = lax.axis_index(axis_name)
   # Each device forwards to its ring predecessor, as the Mosaic kernel does.
   to_predecessor = [(d, schedule.send_target(d, num_devices)) for d in range(num_devices)]
   out = jnp.zeros((num_devices, problem.m, problem.n), out_dtype)
   held = lhs
   for step in range(num_devices):
-    if schedule.sends_at_step(step, num_devices):
-      arriving = lax.ppermute(held, axis_name, to_predecessor)
+    # Issued before the dot, so the transfer can overlap it.
+    arriving = (lax.ppermute(held, axis_name, to_predecessor)
+                if schedule.sends_at_step(step, num_devices) else None)
     shard = schedule.shard_at_step(device, step, num_devices)
     out = lax.dynamic_update_index_in_dim(out, _shard_dot(held, rhs, out_dtype), shard, 0)
-    if schedule.sends_at_step(step, num_devices):
-      held = arriving
+    held = arriving
   return out.reshape(num_devices * problem.m, problem.n)
 
 
@@ -65,6 +64,6 @@ def all_gather_then_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, dtype=N
   is the baseline the ring kernel is measured against.
   """
   topology.ring_axis_size(axis_name, span_all_devices=False)
-  _, out_dtype = check_ring_operands(lhs, rhs, dtype, None)
+  _, out_dtype = operands.check_shards(lhs, rhs, dtype)
   gathered = lax.all_gather(lhs, axis_name, axis=0, tiled=True)
   return _shard_dot(gathered, rhs, out_dtype)

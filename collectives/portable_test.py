@@ -4,12 +4,12 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl.testing import absltest, parameterized
 
 import collectives
 from collectives import sharding
 from core import testing
+from pipelines import matmul_reference
 
 DTYPES = (jnp.float16, jnp.bfloat16)
 
@@ -17,10 +17,6 @@ DTYPES = (jnp.float16, jnp.bfloat16)
 def global_operands(seed, d, m_shard, k, n_shard, dtype):
   return (testing.random_array(seed, (d * m_shard, k), dtype),
           testing.random_array(seed + 1, (k, d * n_shard), dtype))
-
-
-def reference(lhs, rhs):
-  return np.asarray(lhs, np.float32) @ np.asarray(rhs, np.float32)
 
 
 class PortableRingTest(testing.KernelTestCase):
@@ -38,7 +34,7 @@ class PortableRingTest(testing.KernelTestCase):
     out = self.run_ring(collectives.ring_all_gather_matmul, d, lhs, rhs)
     self.assertEqual(out.shape, (d * 64, d * 32))
     self.assertEqual(out.dtype, dtype)
-    self.assert_close(out, reference(lhs, rhs), dtype=dtype)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=dtype)
 
   @parameterized.parameters(2, 4, 8)
   def test_ring_equals_gather_then_matmul(self, d):
@@ -47,7 +43,7 @@ class PortableRingTest(testing.KernelTestCase):
     naive = self.run_ring(collectives.all_gather_then_matmul, d, lhs, rhs, dtype=jnp.float16)
     self.assertEqual(ring.dtype, jnp.float16)
     self.assert_close(ring, naive, dtype=jnp.float16)
-    self.assert_close(naive, reference(lhs, rhs), dtype=jnp.float16)
+    self.assert_close(naive, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
   def test_dispatch_without_peer_access_takes_the_xla_ring_and_logs_it(self):
     if jax.default_backend() == "gpu":
@@ -56,7 +52,7 @@ class PortableRingTest(testing.KernelTestCase):
     with self.assertLogs("collectives", logging.DEBUG) as logs:
       out = self.run_ring(collectives.all_gather_matmul, 4, lhs, rhs)
     self.assertIn("xla_ring", "\n".join(logs.output))
-    self.assert_close(out, reference(lhs, rhs), dtype=jnp.float16)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
   def test_choice_names_the_reason(self):
     choice = collectives.choose_implementation(jax.device_count())

@@ -19,7 +19,7 @@ from absl.testing import absltest, parameterized
 import collectives
 from collectives import ring_matmul_sm90, sharding
 from core import interpret, interpret_collectives, testing
-from pipelines import MatmulDimension, TuningConfig
+from pipelines import MatmulDimension, TuningConfig, matmul_reference
 
 SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_m=64,
                      epi_tile_n=32, grid_tile_width=2, wg_dimension=MatmulDimension.M)
@@ -33,11 +33,6 @@ def run_ring(num_devices, m_shard, k, n_shard, dtype, config, seed=0):
   rhs = testing.random_array(seed + 1, (k, num_devices * n_shard), dtype)
   run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=config)
   return run(*sharding.place_operands(lhs, rhs, mesh)), lhs, rhs
-
-
-def reference(lhs, rhs):
-  return jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST)
 
 
 class RingKernelTest(testing.KernelTestCase):
@@ -66,7 +61,7 @@ class RingKernelTest(testing.KernelTestCase):
     out, lhs, rhs = self.run_kernel(run_ring, num_devices, m_shard, 128, n_shard,
                                     jnp.float16, config)
     self.assertEqual(out.shape, (num_devices * m_shard, num_devices * n_shard))
-    self.assert_close(out, reference(lhs, rhs), dtype=jnp.float16)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
   @parameterized.named_parameters(
       # The receiver reads its scratch slots without waiting for the signal.
@@ -92,7 +87,7 @@ class RingKernelTest(testing.KernelTestCase):
                           epi_tile_n=128, wg_dimension=MatmulDimension.M)
     out, lhs, rhs = self.run_kernel(run_ring, jax.device_count(), 1024, 4096, 4096,
                                     jnp.float16, config, out_bytes=2 * 8 * 1024 * 4096 * 8)
-    self.assert_close(out, reference(lhs, rhs), dtype=jnp.float16)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
 
 if __name__ == "__main__":

@@ -26,15 +26,13 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from collectives import schedule, topology
+from collectives import operands, schedule, topology
 from core import compiler_params, device_facts, interpret, interpret_params, is_interpreting
 from pipelines import TuningConfig, emit_ws_matmul
-from pipelines import operands as matmul_operands
 from pipelines.config import NUM_COMPUTE_WGS
 from pipelines.ws_matmul_sm90 import SM_AXIS, WG_AXIS, check_config
 
@@ -46,24 +44,13 @@ SEND_DELAY_RELEASE = 1
 SENDER_WG = 0
 
 
-def check_ring_operands(lhs, rhs, dtype, config: TuningConfig | None):
-  """Validates local shards lhs (M_shard, K) and rhs (K, N_shard); returns (problem, out dtype).
-
-  With a `config`, also checks that the shards tile evenly by the CTA tile
-  and that the config fits shared memory with delayed release.
-  """
-  problem = matmul_operands.check_operands(lhs, rhs)
-  out_dtype = matmul_operands.check_out_dtype(dtype, problem.dtype)
-  if out_dtype == jnp.float32:
-    raise ValueError("dtype=float32 is not supported by the all-gather matmul; use float16 or "
-                     "bfloat16")
-  if config is not None:
-    for name, size, tile in (("M_shard (lhs.shape[0])", problem.m, config.cta_tile_m),
-                             ("N_shard (rhs.shape[1])", problem.n, config.cta_tile_n)):
-      if size % tile:
-        raise ValueError(f"{name}={size} must be a multiple of the CTA tile {tile} of {config}")
-    check_config(config, problem, out_dtype, delay_release=SEND_DELAY_RELEASE)
-  return problem, out_dtype
+def _check_ring_config(config: TuningConfig, problem, out_dtype) -> None:
+  """The shards must tile evenly by the CTA tile, and the config fit SMEM with delayed release."""
+  for name, size, tile in (("M_shard (lhs.shape[0])", problem.m, config.cta_tile_m),
+                           ("N_shard (rhs.shape[1])", problem.n, config.cta_tile_n)):
+    if size % tile:
+      raise ValueError(f"{name}={size} must be a multiple of the CTA tile {tile} of {config}")
+  check_config(config, problem, out_dtype, delay_release=SEND_DELAY_RELEASE)
 
 
 def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, enabled):
@@ -164,7 +151,8 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
   interpreting = is_interpreting()
   # Simulated devices (interpret mode) may be a part of the job's CPU devices.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=not interpreting)
-  problem, out_dtype = check_ring_operands(lhs, rhs, dtype, config)
+  problem, out_dtype = operands.check_shards(lhs, rhs, dtype)
+  _check_ring_config(config, problem, out_dtype)
   if interpreting and num_devices > 1 and not interpret.can_interpret_collectives():
     raise NotImplementedError(
         "the ring kernel on simulated devices needs semaphores and peer memory in interpret "
