@@ -221,7 +221,6 @@ reserve_intra_op_threads()
 
 # --- Installation ---------------------------------------------------------------------
 
-_installed = False
 _install_lock = threading.Lock()
 
 
@@ -233,10 +232,9 @@ def install() -> None:
   start and finish each grid step together, and that a process with many
   simulated threads runs them on several CPU devices.
   """
-  global _installed
   check_jax_version()
   with _install_lock:
-    if _installed:
+    if interpret.can_interpret_collectives():
       return
     # The lowering of `pallas_call` looks this function up on the module each
     # time, so wrapping it lets us change the mesh of semaphore kernels (all
@@ -275,7 +273,6 @@ def install() -> None:
     # `resolve_ref` at trace time, so it is the one place to turn a
     # `PeerMemRef` transform into the peer's allocation key.
     jaxpr_interpret.resolve_ref = _wrap_resolve_ref(jaxpr_interpret.resolve_ref)
-    _installed = True
     interpret.mark_peers_simulated()
 
 
