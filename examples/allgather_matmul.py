@@ -21,9 +21,11 @@ import os
 
 # Simulated CPU devices must be requested before JAX starts; the flag has no
 # effect on GPUs.
+SIMULATED_CPU_DEVICES = 8
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + f" --xla_force_host_platform_device_count={SIMULATED_CPU_DEVICES}").strip()
 
 import sys  # noqa: E402 - after the XLA_FLAGS set-up above.
 
@@ -66,7 +68,7 @@ def main(argv):
     print(f"process {jax.process_index()} of {jax.process_count()}: one row over all "
           f"{jax.device_count()} devices of the job")
   else:
-    available = gpus if on_gpu else 8
+    available = gpus if on_gpu else SIMULATED_CPU_DEVICES
     counts = ([int(c) for c in _DEVICE_COUNTS.value] if _DEVICE_COUNTS.value
               else [c for c in (1, 2, 4, 8) if c <= available])
   if on_gpu:
@@ -76,9 +78,11 @@ def main(argv):
           "times are CPU wall-clock and only show that it runs")
   print(f"local problem per device: lhs ({problem.m_shard}, {problem.k}) x rhs "
         f"({problem.k}, {problem.n_shard}) {problem.dtype}")
-  rows = collective_table.measure_rows(counts, problem, config_text=_CONFIG.value,
+  rows = collective_table.measure_rows(counts, problem,
+                                       host_gpus=gpus if on_gpu and not launched else 0,
+                                       config_text=_CONFIG.value,
                                        implementation=_IMPLEMENTATION.value,
-                                       iterations=_ITERATIONS.value, in_process=launched)
+                                       iterations=_ITERATIONS.value)
   report.print_table(rows, collective_table.COLUMNS)
   if _JSON.value:
     report.write_json(_JSON.value, rows)

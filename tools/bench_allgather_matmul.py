@@ -53,7 +53,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv):
   del argv
-  if not launch.gpu_count():
+  gpus = launch.gpu_count()
+  if not gpus:
     raise SystemExit("bench_allgather_matmul needs Hopper GPUs; nvidia-smi lists none. "
                      "`bazel run //examples:allgather_matmul` runs the portable path on CPU.")
   os.makedirs(_OUT_DIR.value, exist_ok=True)
@@ -62,7 +63,8 @@ def main(argv):
   rows = []
   for config in _CONFIGS.value:
     rows += collective_table.measure_rows([int(c) for c in _DEVICE_COUNTS.value], problem,
-                                          config_text=config, iterations=_ITERATIONS.value)
+                                          host_gpus=gpus, config_text=config,
+                                          iterations=_ITERATIONS.value)
   report.print_table(rows, ("config",) + collective_table.COLUMNS)
   report.write_json(os.path.join(_OUT_DIR.value, "allgather_matmul_bench.json"), rows)
   if rows:

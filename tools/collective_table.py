@@ -37,7 +37,7 @@ from collectives import sharding
 from core import device_facts, has_gpu, timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error_on_device
 from pipelines import TuningConfig, matmul
-from tools import cli, launch
+from tools import cli
 
 # Latency of one NVLink send-and-signal round, for the lower bound.
 ROUND_LATENCY_US = 6.0
@@ -117,31 +117,28 @@ def measure_row(num_devices: int, problem: LocalProblem, *, config: TuningConfig
   return row
 
 
-def measure_rows(device_counts, problem: LocalProblem, *, config_text: str = "",
-                 implementation: str = "auto", iterations: int = timing.DEFAULT_ITERATIONS,
-                 in_process: bool = False) -> list[dict]:
-  """One row per device count that this host can run.
+def measure_rows(device_counts, problem: LocalProblem, *, host_gpus: int,
+                 config_text: str = "", implementation: str = "auto",
+                 iterations: int = timing.DEFAULT_ITERATIONS) -> list[dict]:
+  """One row per device count that can run.
 
-  On a GPU host each row runs in its own process that sees only its D GPUs
-  (the Mosaic kernel needs its ring to span every device of the job), so this
-  process never touches a GPU. On CPU, or with `in_process` (a job of several
-  processes, where every process must take part), the rows run here, on the
-  first D devices of the job.
+  With `host_gpus` > 0 each row runs in its own process that sees only its D
+  of the host's GPUs (the Mosaic kernel needs its ring to span every device
+  of the job), so this process never touches a GPU. With 0 (CPU devices, or
+  a job of several processes, where every process must take part) the rows
+  run here, on the first D devices of the job.
   """
   config = cli.parse_config(TuningConfig, config_text) if config_text else None
-  available = None if in_process else (launch.gpu_count() or None)
+  available = host_gpus or jax.device_count()
   rows = []
   for d in device_counts:
-    if available is None:
-      if d > jax.device_count():
-        print(f"skipping {d} devices: this job has {jax.device_count()}")
-        continue
+    if d > available:
+      print(f"skipping {d} devices: there are {available}")
+    elif host_gpus:
+      rows.append(_measure_row_in_child(d, problem, config_text, implementation, iterations))
+    else:
       rows.append(measure_row(d, problem, config=config, implementation=implementation,
                               iterations=iterations))
-    elif d > available:
-      print(f"skipping {d} devices: this host has {available} GPUs")
-    else:
-      rows.append(_measure_row_in_child(d, problem, config_text, implementation, iterations))
   return rows
 
 
