@@ -3,6 +3,7 @@
 import os
 from unittest import mock
 
+import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -112,6 +113,46 @@ class InterpretSwitchTest(absltest.TestCase):
       self.skipTest("checks the no-GPU default")
     with mock.patch.dict(os.environ, {interpret.INTERPRET_ENV: ""}):
       self.assertTrue(interpret.is_interpreting())
+
+
+def _copy_then_read(*, wait_for_writes: bool):
+  """Two TMA stores to `out`; then the kernel reads back the first one.
+
+  Only the read side of both stores is waited for, unless `wait_for_writes`,
+  so the plain read of `out[0]` races the first store's write.
+  """
+  cols = 128
+
+  def kernel(out_gmem, seen_gmem, smem):
+    smem[...] = jnp.full((2, cols), 1.0, jnp.float32)
+    plgpu.commit_smem()
+    for row in range(2):
+      plgpu.copy_smem_to_gmem(smem.at[row], out_gmem.at[row])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=not wait_for_writes)
+    seen_gmem[...] = out_gmem[0]
+    plgpu.wait_smem_to_gmem(0)
+
+  out_type = (jax.ShapeDtypeStruct((2, cols), jnp.float32),
+              jax.ShapeDtypeStruct((cols,), jnp.float32))
+  return plgpu.kernel(kernel, out_type=out_type,
+                      scratch_types=[memory.smem((2, cols), jnp.float32)],
+                      interpret=interpret.interpret_params())()
+
+
+class RaceDetectorTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("read_races_unawaited_write", False, interpret.TMA_THREADS_PER_DEVICE, True),
+      ("writes_waited_for", True, interpret.TMA_THREADS_PER_DEVICE, False),
+      # Both stores share the one TMA pseudo-thread, so waiting for the second
+      # one's read orders the first one's write: the race is missed. This is
+      # why interpret mode gives every copy its own.
+      ("one_tma_thread_misses_it", False, 1, False),
+  )
+  def test_unawaited_tma_write(self, wait_for_writes, tma_threads, racy):
+    with interpret.interpret_mode(tma_threads_per_device=tma_threads):
+      jax.block_until_ready(_copy_then_read(wait_for_writes=wait_for_writes))
+    self.assertEqual(interpret.races_found(), racy)
 
 
 class NumericsTest(absltest.TestCase):

@@ -11,6 +11,14 @@ to compile instead of silently running on CPU. Race detection is on inside
 `interpret_mode(detect_races=True)` (what the tests use) or with
 `MGPU_DETECT_RACES=1`.
 
+The race detector orders events with vector clocks, and the interpreter gives
+each TMA copy one of `tma_threads_per_device` pseudo-threads, handed out
+round-robin over all devices. Two copies that share one are ordered, so a copy
+that was never waited for can look completed when a later copy, which was
+waited for, happened to get its pseudo-thread: with jax's default of 5 that
+hides real races, depending on how the simulated threads interleave. We use
+enough of them that the copies of a test-sized kernel never share one.
+
 The choice is made when a kernel is traced, so a function already traced under
 `jax.jit` keeps the mode it was traced with.
 """
@@ -28,6 +36,10 @@ from core import device
 
 INTERPRET_ENV = "MGPU_INTERPRET"
 DETECT_RACES_ENV = "MGPU_DETECT_RACES"
+# TMA pseudo-threads per device (see above). The ring kernel on 4 simulated
+# devices issues about 140 copies per device; each one costs every vector
+# clock an entry.
+TMA_THREADS_PER_DEVICE = 256
 
 _forced: contextvars.ContextVar[plgpu.InterpretGPUParams | bool | None] = contextvars.ContextVar(
     "mgpu_forced_interpret", default=None)
@@ -45,9 +57,10 @@ def _env_flag(name: str) -> bool | None:
 
 
 @contextlib.contextmanager
-def interpret_mode(*, detect_races: bool = True):
+def interpret_mode(*, detect_races: bool = True,
+                   tma_threads_per_device: int = TMA_THREADS_PER_DEVICE):
   """Runs every kernel of this repo traced inside the block in interpret mode."""
-  token = _forced.set(plgpu.InterpretGPUParams(detect_races=detect_races))
+  token = _forced.set(_params(detect_races, tma_threads_per_device))
   try:
     yield
   finally:
@@ -76,7 +89,12 @@ def interpret_params() -> plgpu.InterpretGPUParams | None:
     wanted = not device.has_gpu()
   if not wanted:
     return None
-  return plgpu.InterpretGPUParams(detect_races=bool(_env_flag(DETECT_RACES_ENV)))
+  return _params(bool(_env_flag(DETECT_RACES_ENV)), TMA_THREADS_PER_DEVICE)
+
+
+def _params(detect_races: bool, tma_threads_per_device: int) -> plgpu.InterpretGPUParams:
+  return plgpu.InterpretGPUParams(detect_races=detect_races,
+                                  num_tma_threads_per_device=tma_threads_per_device)
 
 
 _peers_simulated = False

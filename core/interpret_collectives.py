@@ -73,6 +73,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 import os
 import threading
@@ -100,6 +101,8 @@ from core import interpret
 SUPPORTED_JAX_VERSION = "0.11.2"
 DEFAULT_WAIT_TIMEOUT_S = 60.0
 
+_logger = logging.getLogger(__name__)
+
 _wait_timeout_s: contextvars.ContextVar[float] = contextvars.ContextVar(
     "mgpu_collective_wait_timeout_s", default=DEFAULT_WAIT_TIMEOUT_S)
 
@@ -123,20 +126,25 @@ def check_jax_version() -> None:
 
 @contextlib.contextmanager
 def collective_interpret_mode(*, detect_races: bool = True,
-                              wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S):
+                              wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+                              tma_threads_per_device: int = interpret.TMA_THREADS_PER_DEVICE):
   """Interprets the kernels traced inside the block, with semaphores and peer memory.
 
   Installs the extension (see `install`), enters `interpret.interpret_mode`, and
   makes a `semaphore_wait` that is still unsatisfied after `wait_timeout_s`
-  seconds fail instead of hanging. An exception leaving the block resets the
-  interpreter (`reset_after_failure`); one caught inside it needs that call.
+  seconds fail instead of hanging. A kernel that issues more TMA copies than
+  `tma_threads_per_device` x devices logs a warning (see `core.interpret`:
+  the race detector may then miss a copy nobody waited for). An exception
+  leaving the block resets the interpreter (`reset_after_failure`); one caught
+  inside it needs that call.
   """
   if not wait_timeout_s > 0:
     raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s=}")
   install()
   token = _wait_timeout_s.set(float(wait_timeout_s))
   try:
-    with interpret.interpret_mode(detect_races=detect_races):
+    with interpret.interpret_mode(detect_races=detect_races,
+                                  tma_threads_per_device=tma_threads_per_device):
       yield
   except BaseException:
     reset_after_failure()
@@ -256,6 +264,10 @@ def install() -> None:
     # holding the shared-memory lock: a jax computation that, with many
     # simulated threads blocked on that lock, never gets to run (deadlock).
     gpu_callbacks.wait_smem_to_gmem = _wrap_wait_smem_to_gmem(gpu_callbacks.wait_smem_to_gmem)
+    # TMA copies get pseudo-threads round-robin, and copies that share one
+    # are ordered (see `core.interpret`); say when a kernel runs out of them.
+    gpu_memory.GPUSharedMemory.get_next_tma_thread_id = _warn_when_tma_threads_run_out(
+        gpu_memory.GPUSharedMemory.get_next_tma_thread_id)
     # Each simulated thread is an XLA execution, on the default CPU device; XLA
     # runs at most 32 at once per device and queues the rest, so a kernel
     # whose blocks all run concurrently deadlocks beyond that. Spread them
@@ -417,6 +429,22 @@ def _wrap_wait_smem_to_gmem(original):
   def wait_smem_to_gmem(*, n, wait_read_only, **kwargs):
     return original(n=int(n), wait_read_only=bool(wait_read_only), **kwargs)
   return wait_smem_to_gmem
+
+
+def _warn_when_tma_threads_run_out(original):
+  @functools.wraps(original)
+  def get_next_tma_thread_id(self):
+    tma_thread = original(self)
+    is_last = tma_thread == len(self.all_concurrent_threads) + self.num_tma_threads - 1
+    if is_last and self.detect_races and not getattr(self, "_mgpu_warned_tma", False):
+      self._mgpu_warned_tma = True  # Once per kernel run.
+      _logger.warning(
+          "A kernel issued %d TMA copies in one grid step, as many as the interpreter has "
+          "TMA pseudo-threads (tma_threads_per_device x devices): later copies share them, "
+          "so the race detector may miss a copy that was never waited for. Raise "
+          "tma_threads_per_device.", self.num_tma_threads)
+    return tma_thread
+  return get_next_tma_thread_id
 
 
 def _wrap_resolve_ref(original):

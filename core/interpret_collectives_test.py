@@ -330,6 +330,16 @@ class CollectiveInterpretTest(parameterized.TestCase):
           r".*PJRT_NPROC="):
         _run(_per_slot_waits(4, num_blocks=2), mesh, x, num_outputs=1)
 
+  def test_warns_when_copies_outnumber_tma_threads(self):
+    mesh = _mesh(2)
+    x = _sharded_input(7, mesh)
+    with self.assertLogs(interpret_collectives.__name__, "WARNING") as logs, \
+        interpret_collectives.collective_interpret_mode(tma_threads_per_device=1):
+      _run(_ring_shift(2), mesh, x, num_outputs=2)
+    self.assertRegex(logs.output[0], "issued 2 TMA copies.*Raise tma_threads_per_device")
+    with self.assertNoLogs(interpret_collectives.__name__, "WARNING"):
+      _run(_ring_shift(2), mesh, x, num_outputs=2)
+
   def test_version_guard(self):
     with mock.patch.object(jax, "__version__", "0.12.0"):
       with self.assertRaisesRegex(
