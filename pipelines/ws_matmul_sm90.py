@@ -180,7 +180,7 @@ def _store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config: TuningConfig,
     for j in range(n_sub):
       x = acc[i * epi_m:(i + 1) * epi_m, j * epi_n:(j + 1) * epi_n]
       if bias_smem is not None:
-        bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)], (),
+        bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)],
                           layout=plgpu.Layout.WGMMA.reduce(0))
         x = x + lax.broadcast_in_dim(bias.astype(jnp.float32), x.shape, (1,))
       x = epilogue.apply(x)
