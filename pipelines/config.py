@@ -88,6 +88,26 @@ class PipelinedConfig:
         num_barriers=steps,  # One TMA-completion barrier per slot.
     )
 
+  def pallas_call_smem_budget(self, k: int, dtype, out_dtype) -> SmemBudget:
+    """SMEM `pallas_call_matmul` allocates for K = `k` (all of it alive at once).
+
+    Its pipeline also stages the output block in every slot, and the float32
+    partial sum is kernel-level SMEM scratch.
+    """
+    steps = self.pipeline.steps_for(k // self.tile_k)
+    return SmemBudget(
+        phases=((
+            SmemBuffer(name="acc_smem", shape=(self.tile_m, self.tile_n), dtype=jnp.float32),
+            SmemBuffer(name="lhs_smem", shape=(self.tile_m, self.tile_k), dtype=dtype,
+                       copies=steps),
+            SmemBuffer(name="rhs_smem", shape=(self.tile_k, self.tile_n), dtype=dtype,
+                       copies=steps),
+            SmemBuffer(name="out_smem", shape=(self.tile_m, self.tile_n), dtype=out_dtype,
+                       copies=steps),
+        ),),
+        num_barriers=steps,
+    )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TuningConfig:

@@ -28,7 +28,14 @@ from jax._src.pallas.mosaic_gpu.pallas_call import pallas_call as mgpu_pallas_ca
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import compiler_params, interpret_params, sequential_grid_semantics, tile_transforms
+from core import (
+  accumulator,
+  compiler_params,
+  interpret_params,
+  sequential_grid_semantics,
+  smem,
+  tile_transforms,
+)
 from pipelines import operands
 from pipelines.config import PipelinedConfig, check_swizzle
 
@@ -49,22 +56,31 @@ def _accumulating_kernel(lhs_smem, rhs_smem, out_smem, acc_smem, *, delay_releas
     plgpu.wgmma_wait(delay_release)  # The BlockSpecs hold each slot that long.
     return acc_ref[...]
 
-  acc_smem[...] = pl.run_scoped(step, plgpu.ACC(acc_smem.shape, jnp.float32))
+  acc_smem[...] = pl.run_scoped(step, accumulator(acc_smem.shape))
 
   @pl.when(k == pl.num_programs(2) - 1)
   def _store():
     out_smem[...] = acc_smem[...].astype(out_smem.dtype)
 
 
+# The compatibility API gives the output block as many SMEM slots as the
+# inputs and keeps the float32 partial sum in SMEM
+# (`PipelinedConfig.pallas_call_smem_budget`), so the emit_pipeline kernel's
+# default depth of 4 does not fit at 128x128 tiles; 2 does.
+DEFAULT_CONFIG = PipelinedConfig(max_concurrent_steps=2)
+
+
 def pallas_call_matmul(lhs: jax.Array, rhs: jax.Array, *,
-                       config: PipelinedConfig = PipelinedConfig(),
+                       config: PipelinedConfig = DEFAULT_CONFIG,
                        out_dtype=None, all_parallel: bool = False) -> jax.Array:
   """`lhs @ rhs` via `pl.pallas_call` with a pipelined sequential K dimension.
 
   Args:
     lhs: (M, K) float16/bfloat16; rhs: (K, N), same dtype. M, N multiples of
       the tile; K a multiple of tile_k.
-    config: tiles and pipeline depth, as for `pipelined_matmul`.
+    config: tiles and pipeline depth, as for `pipelined_matmul`; checked
+      against this path's own SMEM model (`pallas_call_smem_budget`) before
+      compiling.
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
     all_parallel: make every grid dimension "parallel" (one K step of the full
       K per block): the documented no-pipelining behaviour.
@@ -82,7 +98,8 @@ def pallas_call_matmul(lhs: jax.Array, rhs: jax.Array, *,
   k_steps = operands.check_k_tiles(problem, tile_k)
   config = dataclasses.replace(config, tile_k=tile_k)
   check_swizzle(config, problem.dtype)
-  config.smem_budget(problem.k, problem.dtype, out_dtype).check(what=repr(config))
+  config.pallas_call_smem_budget(problem.k, problem.dtype, out_dtype).check(
+      what=f"{config!r} on the pallas_call path")
   steps = config.pipeline.steps_for(k_steps)
   semantics = ("parallel",) * 3 if all_parallel else sequential_grid_semantics(2)
   delay = config.delay_release if steps > config.delay_release else 0
@@ -101,7 +118,7 @@ def pallas_call_matmul(lhs: jax.Array, rhs: jax.Array, *,
       in_specs=[spec((tile_m, tile_k), lambda i, j, k: (i, k), tile_k, problem.dtype, delay),
                 spec((tile_k, tile_n), lambda i, j, k: (k, j), tile_n, problem.dtype, delay)],
       out_specs=spec((tile_m, tile_n), lambda i, j, k: (i, j), tile_n, out_dtype),
-      scratch_shapes=[plgpu.SMEM((tile_m, tile_n), jnp.float32)],
+      scratch_shapes=[smem((tile_m, tile_n), jnp.float32)],
       compiler_params=compiler_params(dimension_semantics=semantics, max_concurrent_steps=steps),
       kernel_fn=functools.partial(plgpu.kernel, interpret=interpret_params()),
   )(lhs, rhs)

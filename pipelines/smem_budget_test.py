@@ -6,15 +6,17 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
-from core import testing
+from core import device, testing
 from pipelines import (
     Epilogue,
     MatmulDimension,
     PipelinedConfig,
     TuningConfig,
+    pallas_call_matmul,
     pipelined_matmul,
     ws_matmul,
 )
+from pipelines.pallas_call_matmul import DEFAULT_CONFIG as PALLAS_CALL_DEFAULT
 
 S = jax.ShapeDtypeStruct
 
@@ -46,6 +48,30 @@ class SmemModelTest(parameterized.TestCase):
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
                      config.smem_budget(4096, jnp.bfloat16, out_dtype,
                                         has_bias=has_bias).total_bytes)
+
+  @parameterized.parameters(
+      (PALLAS_CALL_DEFAULT, 4096, jnp.float16),
+      (PipelinedConfig(tile_m=64, tile_n=64, max_concurrent_steps=3), 2048, jnp.float32),
+      (PipelinedConfig(tile_m=64, max_concurrent_steps=4), 128, jnp.bfloat16),  # 2 K steps.
+  )
+  def test_pallas_call(self, config, k, out_dtype):
+    fn = functools.partial(pallas_call_matmul, config=config,
+                           out_dtype=out_dtype)
+    args = S((1024, k), jnp.float16), S((k, 1024), jnp.float16)
+    self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
+                     config.pallas_call_smem_budget(k, jnp.float16, out_dtype).total_bytes)
+
+  def test_pallas_call_rejects_what_only_emit_pipeline_fits(self):
+    # Depth 4 at 128x128 fits `pipelined_matmul` but not this path, which
+    # also stages the output and keeps a float32 partial sum in SMEM.
+    config = PipelinedConfig(max_concurrent_steps=4)
+    fn = functools.partial(pallas_call_matmul, config=config)
+    args = S((1024, 4096), jnp.float16), S((4096, 1024), jnp.float16)
+    self.assertLessEqual(config.smem_budget(4096, jnp.float16, jnp.float16).total_bytes,
+                         device.device_facts().smem_per_block_bytes)
+    with self.assertRaisesRegex(ValueError, r"on the pallas_call path needs 327712 bytes.*"
+                                            r"out_smem: 4 x \(128, 128\) float16"):
+      jax.eval_shape(fn, *args)
 
 
 if __name__ == "__main__":
