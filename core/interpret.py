@@ -29,7 +29,9 @@ import contextlib
 import contextvars
 import os
 
+from jax._src import dispatch
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import device
@@ -59,12 +61,31 @@ def _env_flag(name: str) -> bool | None:
 @contextlib.contextmanager
 def interpret_mode(*, detect_races: bool = True,
                    tma_threads_per_device: int = TMA_THREADS_PER_DEVICE):
-  """Runs every kernel of this repo traced inside the block in interpret mode."""
+  """Runs every kernel of this repo traced inside the block in interpret mode.
+
+  An exception leaving the block resets the interpreter (`reset_after_failure`);
+  one caught inside it needs that call.
+  """
   token = _forced.set(_params(detect_races, tma_threads_per_device))
   try:
     yield
+  except BaseException:
+    reset_after_failure()
+    raise
   finally:
     _forced.reset(token)
+
+
+def reset_after_failure() -> None:
+  """Makes interpret mode usable again after a kernel failed in it.
+
+  Clears the interpreter's shared state (as jax asks one to) and jax's tokens
+  of ordered effects: the interpreter orders kernels with an ordered
+  `io_callback`, whose token now carries the error and would fail every later
+  kernel in this thread.
+  """
+  gpu_interpret.reset_gpu_interpret_mode_state()
+  dispatch.runtime_tokens.clear()
 
 
 @contextlib.contextmanager

@@ -84,7 +84,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import callback, dispatch, source_info_util, xla_bridge
+from jax._src import callback, source_info_util, xla_bridge
 from jax._src import core as jax_core
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.pallas.mosaic.interpret import thread_map
@@ -135,8 +135,8 @@ def collective_interpret_mode(*, detect_races: bool = True,
   seconds fail instead of hanging. A kernel that issues more TMA copies than
   `tma_threads_per_device` x devices logs a warning (see `core.interpret`:
   the race detector may then miss a copy nobody waited for). An exception
-  leaving the block resets the interpreter (`reset_after_failure`); one caught
-  inside it needs that call.
+  leaving the block resets the interpreter (`interpret.reset_after_failure`);
+  one caught inside it needs that call.
   """
   if not wait_timeout_s > 0:
     raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s=}")
@@ -146,23 +146,8 @@ def collective_interpret_mode(*, detect_races: bool = True,
     with interpret.interpret_mode(detect_races=detect_races,
                                   tma_threads_per_device=tma_threads_per_device):
       yield
-  except BaseException:
-    reset_after_failure()
-    raise
   finally:
     _wait_timeout_s.reset(token)
-
-
-def reset_after_failure() -> None:
-  """Makes interpret mode usable again after a kernel failed (e.g. a wait timed out).
-
-  Clears the interpreter's shared state (as jax asks one to) and jax's tokens
-  of ordered effects: the interpreter orders kernels with an ordered
-  `io_callback`, whose token now carries the error and would fail every later
-  kernel in this thread.
-  """
-  gpu_interpret.reset_gpu_interpret_mode_state()
-  dispatch.runtime_tokens.clear()
 
 
 # --- XLA's CPU thread pools -----------------------------------------------------------

@@ -285,7 +285,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
           Exception, r"(?s)TimeoutError: semaphore_wait .* on device [01] .*block 0.*"
           r"still waits after 0.5 s on semaphore \d+ .*wants a count >= 2, the count is 1"):
         _run(kernel, mesh, x, num_outputs=1)
-      interpret_collectives.reset_after_failure()
+      interpret.reset_after_failure()
     # The interpreter works again.
     out, _ = _run(_ring_shift(num_devices), mesh, x, num_outputs=2)
     np.testing.assert_array_equal(np.asarray(out), _neighbour_shards(np.asarray(x), 2, 1))
