@@ -19,7 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import collectives
 from collectives import ring_matmul_sm90, sharding, topology
 from core import interpret, interpret_params, testing
-from pipelines import MatmulDimension, TuningConfig, emit_ws_matmul, matmul_reference
+from pipelines import MatmulDimension, Schedule, TuningConfig, emit_ws_matmul, matmul_reference
 from pipelines.config import NUM_COMPUTE_WGS
 from pipelines.ws_matmul_sm90 import SM_AXIS, WG_AXIS
 
@@ -175,6 +175,9 @@ class LoweringAndValidationTest(parameterized.TestCase):
         ((256, 4096, 512), TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=4,
                                         epi_tile_n=128, wg_dimension=MatmulDimension.M),
          "needs 262216 bytes of shared memory"),
+        # The ring forwards LHS tiles from the cooperative pipeline's slots.
+        ((128, 64, 64), dataclasses.replace(SMALL, schedule=Schedule.PINGPONG),
+         "needs schedule=Schedule.COOPERATIVE"),
     ]
     for (m_shard, k, n_shard), config, message in cases:
       mesh, args = ring_spec(1, m_shard, k, n_shard)

@@ -18,7 +18,7 @@ import jax
 from core import timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
 from pipelines import operands, tuning_cache, ws_matmul_sm90
-from pipelines.config import MatmulDimension, TuningConfig
+from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.reference import matmul_reference
 
 
@@ -34,17 +34,24 @@ class SearchSpace:
   grid_minor_dim: tuple[MatmulDimension, ...] = tuple(MatmulDimension)
   grid_tile_width: tuple[int, ...] = (4, 8, 16)
   wg_dimension: tuple[MatmulDimension, ...] = tuple(MatmulDimension)
+  schedule: tuple[Schedule, ...] = tuple(Schedule)
 
   def configs(self) -> Iterable[TuningConfig]:
-    for tm, tn, tk, steps, (em, en), minor, width, wgd in itertools.product(
+    seen = set()
+    for tm, tn, tk, steps, (em, en), minor, width, wgd, schedule in itertools.product(
         self.tile_m, self.tile_n, self.tile_k, self.max_concurrent_steps, self.epi_tile,
-        self.grid_minor_dim, self.grid_tile_width, self.wg_dimension):
+        self.grid_minor_dim, self.grid_tile_width, self.wg_dimension, self.schedule):
+      if schedule == Schedule.PINGPONG:
+        wgd = MatmulDimension.N  # No split under ping-pong: one config, not two.
       try:
-        yield TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps,
-                           epi_tile_m=em, epi_tile_n=en, grid_minor_dim=minor,
-                           grid_tile_width=width, wg_dimension=wgd)
+        config = TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps,
+                              epi_tile_m=em, epi_tile_n=en, grid_minor_dim=minor,
+                              grid_tile_width=width, wg_dimension=wgd, schedule=schedule)
       except ValueError:
         continue  # E.g. an epilogue tile that does not divide the tile.
+      if config not in seen:
+        seen.add(config)
+        yield config
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,12 +9,13 @@ from absl.testing import absltest
 
 from core import interpret_mode, testing
 from pipelines import autotune, matmul, tuning_cache
-from pipelines.config import MatmulDimension, TuningConfig
+from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.operands import MatmulProblem
 
 TINY_SPACE = autotune.SearchSpace(tile_m=(64,), tile_n=(64, 512), max_concurrent_steps=(2, 9),
                                   epi_tile=((64, 64),), grid_minor_dim=(MatmulDimension.M,),
-                                  grid_tile_width=(1,), wg_dimension=(MatmulDimension.N,))
+                                  grid_tile_width=(1,), wg_dimension=(MatmulDimension.N,),
+                                  schedule=(Schedule.COOPERATIVE,))
 
 
 class AutotuneTest(absltest.TestCase):
@@ -45,9 +46,24 @@ class AutotuneTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "on_cache_miss='guess'"):
       matmul(lhs, lhs, on_cache_miss="guess")
 
+  def test_schedules_in_the_space(self):
+    space = autotune.SearchSpace(tile_m=(64,), tile_n=(128,), max_concurrent_steps=(3,),
+                                 epi_tile=((64, 64),), grid_minor_dim=(MatmulDimension.M,),
+                                 grid_tile_width=(8,))
+    configs = list(space.configs())
+    # Both splits of the cooperative schedule; ping-pong has no split, so once.
+    self.assertEqual(sorted((c.schedule.name, c.wg_dimension.name) for c in configs),
+                     [("COOPERATIVE", "M"), ("COOPERATIVE", "N"), ("PINGPONG", "N")])
+
   def test_json_round_trip(self):
-    config = TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.M)
-    self.assertEqual(tuning_cache.config_from_json(tuning_cache.config_to_json(config)), config)
+    for config in (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.M),
+                   TuningConfig(tile_n=256, schedule=Schedule.PINGPONG)):
+      self.assertEqual(tuning_cache.config_from_json(tuning_cache.config_to_json(config)),
+                       config)
+    # Entries written before schedules existed are cooperative.
+    legacy = tuning_cache.config_to_json(TuningConfig())
+    del legacy["schedule"]
+    self.assertEqual(tuning_cache.config_from_json(legacy).schedule, Schedule.COOPERATIVE)
 
   def test_shipped_cache_entries_are_valid_configs(self):
     with mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: str(tuning_cache.DEFAULT_CACHE)}):

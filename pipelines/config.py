@@ -36,6 +36,25 @@ class MatmulDimension(enum.IntEnum):
     return f"MatmulDimension.{self.name}"
 
 
+class Schedule(enum.Enum):
+  """How the two compute warpgroups of the warp-specialized kernel share the work.
+
+  COOPERATIVE: both work on one CTA tile, each on its half along
+    `wg_dimension`; they run their K loops and then their epilogues together,
+    so the tensor cores idle during the epilogue.
+  PINGPONG: each works on its own output tile, alternately: while one runs
+    its epilogue, the other runs its K loop. Each warpgroup has its own ring
+    of SMEM slots, so a CTA tile is one warpgroup tile and holds twice the
+    operand slots of a cooperative CTA tile of the same size.
+  """
+
+  COOPERATIVE = "cooperative"
+  PINGPONG = "pingpong"
+
+  def __repr__(self) -> str:
+    return f"Schedule.{self.name}"
+
+
 def _check_positive_multiple(name: str, value: int, multiple: int) -> None:
   if not isinstance(value, int) or value <= 0 or value % multiple:
     raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}")
@@ -113,20 +132,24 @@ class PipelinedConfig:
 class TuningConfig:
   """The warp-specialized persistent matmul.
 
-  Two compute warpgroups each own a (tile_m, tile_n) accumulator; together they
-  cover a CTA tile that is twice as large along `wg_dimension`. A third
+  Two compute warpgroups each own a (tile_m, tile_n) accumulator. Under the
+  cooperative schedule they cover a CTA tile twice as large along
+  `wg_dimension`; under ping-pong each takes every other CTA tile. A third
   warpgroup only issues TMA loads.
 
   Attributes:
     tile_m, tile_n, tile_k: per-warpgroup output tile and the K step.
-    max_concurrent_steps: SMEM slots per operand.
+    max_concurrent_steps: SMEM slots per operand (per warpgroup under
+      ping-pong).
     epi_tile_m, epi_tile_n: the epilogue stores the accumulator through SMEM in
       tiles of this size (double-buffered), so the next tile's loads can use
       the SMEM the epilogue does not hold.
     grid_minor_dim: the output dimension consecutive tiles advance along.
     grid_tile_width: tiles along `grid_minor_dim` before stepping the other
       dimension (a band this wide shares operands in L2).
-    wg_dimension: the dimension the two compute warpgroups split.
+    wg_dimension: the dimension the two compute warpgroups split (cooperative
+      schedule only).
+    schedule: see `Schedule`.
   """
 
   tile_m: int = 128
@@ -138,6 +161,7 @@ class TuningConfig:
   grid_minor_dim: MatmulDimension = MatmulDimension.M
   grid_tile_width: int = 8
   wg_dimension: MatmulDimension = MatmulDimension.N
+  schedule: Schedule = Schedule.COOPERATIVE
 
   def __post_init__(self):
     _check_tiles(self.tile_m, self.tile_n, self.tile_k)
@@ -153,14 +177,24 @@ class TuningConfig:
     for name in ("grid_minor_dim", "wg_dimension"):
       if not isinstance(getattr(self, name), MatmulDimension):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a MatmulDimension")
+    if not isinstance(self.schedule, Schedule):
+      raise ValueError(f"schedule={self.schedule!r} must be a Schedule")
 
   @property
   def cta_tile_m(self) -> int:
-    return self.tile_m * (NUM_COMPUTE_WGS if self.wg_dimension == MatmulDimension.M else 1)
+    return self.tile_m * (NUM_COMPUTE_WGS if self._split(MatmulDimension.M) else 1)
 
   @property
   def cta_tile_n(self) -> int:
-    return self.tile_n * (NUM_COMPUTE_WGS if self.wg_dimension == MatmulDimension.N else 1)
+    return self.tile_n * (NUM_COMPUTE_WGS if self._split(MatmulDimension.N) else 1)
+
+  def _split(self, dimension: MatmulDimension) -> bool:
+    return self.schedule == Schedule.COOPERATIVE and self.wg_dimension == dimension
+
+  @property
+  def operand_rings(self) -> int:
+    """Rings of `max_concurrent_steps` operand slots: one per warpgroup under ping-pong."""
+    return NUM_COMPUTE_WGS if self.schedule == Schedule.PINGPONG else 1
 
   @property
   def epilogue_slots(self) -> int:
@@ -171,11 +205,12 @@ class TuningConfig:
                   delay_release: int = 0) -> SmemBudget:
     """SMEM this config allocates for K = `k` (all of it alive at once)."""
     steps = min(self.max_concurrent_steps, k // self.tile_k)
+    slots = self.operand_rings * steps
     buffers = [
         SmemBuffer(name="lhs_smem", shape=(self.cta_tile_m, self.tile_k), dtype=dtype,
-                   copies=steps),
+                   copies=slots),
         SmemBuffer(name="rhs_smem", shape=(self.tile_k, self.cta_tile_n), dtype=dtype,
-                   copies=steps),
+                   copies=slots),
         SmemBuffer(name="out_smem", shape=(self.epi_tile_m, self.epi_tile_n),
                    dtype=out_dtype, copies=NUM_COMPUTE_WGS * self.epilogue_slots),
     ]
@@ -186,7 +221,7 @@ class TuningConfig:
     # warpgroups done); per compute warpgroup one for its bias load; with
     # delayed release, one that says a tile's slots are all free again.
     return SmemBudget(phases=(tuple(buffers),),
-                      num_barriers=(2 * steps + (NUM_COMPUTE_WGS if has_bias else 0)
+                      num_barriers=(2 * slots + (NUM_COMPUTE_WGS if has_bias else 0)
                                     + (1 if delay_release else 0)))
 
 

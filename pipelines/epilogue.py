@@ -1,8 +1,9 @@
-"""The fused epilogue of the warp-specialized matmul: bias, activation, cast.
+"""The fused epilogue of the warp-specialized matmuls: bias, activation, cast, store.
 
 Applied in float32 to the accumulator in registers before it is cast and
 stored, so users need no separate XLA ops (and no extra pass over the output)
-after the matmul.
+after the matmul. The store goes through double-buffered SMEM tiles with TMA,
+so the store of one sub-tile overlaps the conversion of the next.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -45,3 +49,40 @@ class Epilogue:
       case "silu":
         return x / (1.0 + jnp.exp(-x))
     return x
+
+
+def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue) -> None:
+  """Applies `epilogue` to a compute warpgroup's accumulator and stores it with TMA.
+
+  Runs in compute warpgroup `wg` of a matmul kernel, after its K loop.
+
+  Args:
+    acc: (config.tile_m, config.tile_n) float32 accumulator value.
+    wg: the warpgroup's index; it owns `out_smem[wg]` and `bias_smem[wg]`.
+    wg_out: (tile_m, tile_n) GMEM ref of the output (TMA masks ragged edges).
+    out_smem: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) SMEM staging
+      tiles of the output dtype, swizzled.
+    bias_smem: (2, tile_n) SMEM ref holding this tile's bias (loaded), or None.
+    config: a `TuningConfig` (tiles and epilogue tiles).
+  """
+  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
+  n_sub = config.tile_n // epi_n
+  # The previous tile's last stores may still read out_smem; since each store
+  # below waits for all but one, only the previous tile's final store can be
+  # pending here.
+  for i in range(config.tile_m // epi_m):
+    for j in range(n_sub):
+      x = acc[i * epi_m:(i + 1) * epi_m, j * epi_n:(j + 1) * epi_n]
+      if bias_smem is not None:
+        bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)],
+                          layout=plgpu.Layout.WGMMA.reduce(0))
+        x = x + lax.broadcast_in_dim(bias.astype(jnp.float32), x.shape, (1,))
+      x = epilogue.apply(x)
+      slot = (i * n_sub + j) % config.epilogue_slots
+      # Keep at most one store in flight: the one from the other slot.
+      plgpu.wait_smem_to_gmem(config.epilogue_slots - 1, wait_read_only=True)
+      out_smem[wg, slot] = x.astype(out_smem.dtype)
+      plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
+      plgpu.copy_smem_to_gmem(
+          out_smem.at[wg, slot],
+          wg_out.at[pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n)])

@@ -2,22 +2,26 @@
 
 import dataclasses
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from core import testing
+from core import device, interpret, testing
 from pipelines import (
-    Epilogue,
-    MatmulDimension,
-    PipelinedConfig,
-    TuningConfig,
-    matmul,
-    matmul_reference,
-    pipelined_matmul,
-    ws_matmul,
+  Epilogue,
+  MatmulDimension,
+  PipelinedConfig,
+  Schedule,
+  TuningConfig,
+  matmul,
+  matmul_reference,
+  pingpong_matmul_sm90,
+  pipelined_matmul,
+  ws_matmul,
+  ws_matmul_sm90,
 )
 
 DTYPES = (jnp.float16, jnp.bfloat16)
@@ -26,6 +30,7 @@ DTYPES = (jnp.float16, jnp.bfloat16)
 SMALL_PIPELINED = PipelinedConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
 SMALL_WS = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
                         epi_tile_m=64, epi_tile_n=32, grid_tile_width=2)
+SMALL_PINGPONG = dataclasses.replace(SMALL_WS, schedule=Schedule.PINGPONG)
 
 
 def operands(seed, m, k, n, dtype):
@@ -100,6 +105,70 @@ class WarpSpecializedMatmulTest(testing.KernelTestCase):
       lhs, rhs = operands(8, m, k, n, jnp.bfloat16)
       bias = testing.random_array(9, (n,), jnp.bfloat16)
       out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation,
+                            out_bytes=m * n * 2)
+      ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
+                                                               has_bias=True))
+      self.assert_close(out, ref, dtype=jnp.bfloat16)
+
+
+def with_blocks(num_blocks: int):
+  """Caps the persistent grid at `num_blocks`, so each block loops over several tiles."""
+  facts = dataclasses.replace(device.device_facts(), sm_count=num_blocks)
+  return mock.patch.object(ws_matmul_sm90, "device_facts", return_value=facts)
+
+
+class PingPongMatmulTest(testing.KernelTestCase):
+
+  @parameterized.parameters(
+      # 12 tiles on 2 blocks: 3 per warpgroup; ragged N; 4 K steps through 2 slots.
+      (2, (192, 256, 200), jnp.float16, Epilogue()),
+      # 5 tiles on 3 blocks: one block's second warpgroup gets no tile; one K step.
+      (3, (320, 64, 64), jnp.bfloat16, Epilogue(activation="gelu", has_bias=True)),
+      (1, (192, 128, 128), jnp.float16, Epilogue(activation="silu", has_bias=True)),
+  )
+  def test_matches_reference(self, num_blocks, shape, dtype, epilogue):
+    m, k, n = shape
+    lhs, rhs = operands(14, m, k, n, dtype)
+    bias = testing.random_array(15, (n,), dtype) if epilogue.has_bias else None
+    with with_blocks(num_blocks):
+      out = self.run_kernel(ws_matmul, lhs, rhs, bias, config=SMALL_PINGPONG,
+                            epilogue=epilogue, out_bytes=m * n * 2)
+    self.assertEqual(out.shape, (m, n))
+    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue), dtype=dtype)
+
+  def test_memory_warpgroup_that_ignores_releases_is_caught(self):
+    if self.backend != testing.INTERPRET:
+      self.skipTest("a planted race, for the interpreter's race detector")
+    slots = 2 * SMALL_PINGPONG.max_concurrent_steps
+    wait = pingpong_matmul_sm90.plgpu.barrier_wait
+
+    def skip_release_waits(ref):
+      aval = ref.ref.aval if hasattr(ref, "ref") else ref.aval
+      # The "consumed" barriers: one arrival, one per slot of both rings.
+      if aval.inner_aval.shape == (slots,) and aval.inner_aval.dtype.num_arrivals == 1:
+        return
+      wait(ref)
+
+    lhs, rhs = operands(16, 192, 256, 128, jnp.float16)
+    with with_blocks(2), mock.patch.object(pingpong_matmul_sm90.plgpu, "barrier_wait",
+                                           skip_release_waits):
+      try:
+        jax.block_until_ready(ws_matmul(lhs, rhs, config=SMALL_PINGPONG))
+        caught = interpret.races_found()
+      except Exception as e:  # noqa: BLE001 - the interpreter's barrier check may fire first.
+        interpret.reset_after_failure()
+        caught = "no threads observed phase" in str(e)
+    self.assertTrue(caught, "a slot refilled before its release was not reported")
+
+  def test_real_sizes(self):
+    if self.backend != testing.GPU:
+      self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
+    config = TuningConfig(tile_m=128, tile_n=128, max_concurrent_steps=3, epi_tile_n=64,
+                          schedule=Schedule.PINGPONG)
+    for (m, k, n), activation in (((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu")):
+      lhs, rhs = operands(17, m, k, n, jnp.bfloat16)
+      bias = testing.random_array(18, (n,), jnp.bfloat16)
+      out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation, config=config,
                             out_bytes=m * n * 2)
       ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
                                                                has_bias=True))

@@ -11,6 +11,7 @@ from pipelines import (
     Epilogue,
     MatmulDimension,
     PipelinedConfig,
+    Schedule,
     TuningConfig,
     pallas_call_matmul,
     pipelined_matmul,
@@ -39,6 +40,9 @@ class SmemModelTest(parameterized.TestCase):
       (TuningConfig(wg_dimension=MatmulDimension.M, max_concurrent_steps=3), True, jnp.bfloat16),
       (TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=3,
                     wg_dimension=MatmulDimension.M), False, jnp.float32),
+      (TuningConfig(max_concurrent_steps=3, schedule=Schedule.PINGPONG), True, jnp.bfloat16),
+      (TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=2,
+                    schedule=Schedule.PINGPONG), False, jnp.float32),
   )
   def test_warp_specialized(self, config, has_bias, out_dtype):
     epilogue = Epilogue(activation="gelu", has_bias=has_bias)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from core import device_facts
-from pipelines.config import MatmulDimension, TuningConfig
+from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.operands import MatmulProblem
 
 CACHE_ENV = "MGPU_TUNING_CACHE"
@@ -39,6 +39,7 @@ def config_to_json(config: TuningConfig) -> dict:
   d = dataclasses.asdict(config)
   d["grid_minor_dim"] = config.grid_minor_dim.name
   d["wg_dimension"] = config.wg_dimension.name
+  d["schedule"] = config.schedule.name
   return d
 
 
@@ -46,6 +47,8 @@ def config_from_json(d: dict) -> TuningConfig:
   d = dict(d)
   d["grid_minor_dim"] = MatmulDimension[d["grid_minor_dim"]]
   d["wg_dimension"] = MatmulDimension[d["wg_dimension"]]
+  # Entries from before schedules existed are cooperative.
+  d["schedule"] = Schedule[d.get("schedule", Schedule.COOPERATIVE.name)]
   return TuningConfig(**d)
 
 

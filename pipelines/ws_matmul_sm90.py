@@ -13,7 +13,9 @@ store of one sub-tile overlaps the conversion of the next.
 
 `emit_ws_matmul` is the kernel body as a building block: other kernels (the
 collective matmul) call it inside their own `plgpu.kernel` and hook into the
-pipeline with `pipeline_callback` and `delay_release`.
+pipeline with `pipeline_callback` and `delay_release`. `ws_matmul` runs
+either this cooperative schedule or the ping-pong one
+(`pingpong_matmul_sm90`), as `config.schedule` says.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import math
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -39,8 +40,15 @@ from core import (
 )
 from core.memory import swizzle_elems
 from pipelines import operands
-from pipelines.config import NUM_COMPUTE_WGS, MatmulDimension, TuningConfig, check_swizzle
-from pipelines.epilogue import Epilogue
+from pipelines.config import (
+    NUM_COMPUTE_WGS,
+    MatmulDimension,
+    Schedule,
+    TuningConfig,
+    check_swizzle,
+)
+from pipelines.epilogue import Epilogue, store_epilogue
+from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul
 
 SM_AXIS = "sm"
 WG_AXIS = "wg"
@@ -66,10 +74,14 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   Args:
     lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref; out_gmem: (M, N) ref.
     bias_gmem: (N,) ref of the output dtype, or None.
+    config: a `TuningConfig` with the cooperative schedule (`ws_matmul` runs
+      the ping-pong one, which has no `pipeline_callback`).
     pipeline_callback: see `PipelineCallback`; with it, `delay_release` keeps
       each step's SMEM slots alive that many extra steps, for async reads of
       them the callback started (it must finish them by then).
   """
+  if config.schedule != Schedule.COOPERATIVE:
+    raise ValueError(f"emit_ws_matmul runs the cooperative schedule; got {config.schedule!r}")
   m, k = lhs_gmem.shape
   n = rhs_gmem.shape[1]
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
@@ -155,7 +167,7 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
             plgpu.barrier_arrive(tile_drained)
           if bias_gmem is not None:
             plgpu.barrier_wait(bias_barrier.at[wg])
-          _store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
+          store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
 
       make_pipeline(mma_step, compute_context)(
           lhs_gmem.at[cta_m_slice, :], rhs_gmem.at[:, cta_n_slice],
@@ -169,36 +181,14 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config: TuningConfig,
-                    epilogue: Epilogue) -> None:
-  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
-  n_sub = config.tile_n // epi_n
-  # The previous tile's last stores may still read out_smem; since each store
-  # below waits for all but one, only the previous tile's final store can be
-  # pending here.
-  for i in range(config.tile_m // epi_m):
-    for j in range(n_sub):
-      x = acc[i * epi_m:(i + 1) * epi_m, j * epi_n:(j + 1) * epi_n]
-      if bias_smem is not None:
-        bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)],
-                          layout=plgpu.Layout.WGMMA.reduce(0))
-        x = x + lax.broadcast_in_dim(bias.astype(jnp.float32), x.shape, (1,))
-      x = epilogue.apply(x)
-      slot = (i * n_sub + j) % config.epilogue_slots
-      # Keep at most one store in flight: the one from the other slot.
-      plgpu.wait_smem_to_gmem(config.epilogue_slots - 1, wait_read_only=True)
-      out_smem[wg, slot] = x.astype(out_smem.dtype)
-      plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
-      plgpu.copy_smem_to_gmem(
-          out_smem.at[wg, slot],
-          wg_out.at[pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n)])
-
-
 def check_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                  has_bias: bool = False, delay_release: int = 0) -> int:
   """Checks `config` against the problem and the SMEM budget; returns the K steps."""
   k_steps = operands.check_k_tiles(problem, config.tile_k)
   check_swizzle(config, problem.dtype)
+  if delay_release and config.schedule != Schedule.COOPERATIVE:
+    raise ValueError(f"delay_release={delay_release} (a pipeline_callback's hold on its "
+                     f"slots) needs schedule=Schedule.COOPERATIVE, not {config.schedule!r}")
   if not 0 <= delay_release < config.max_concurrent_steps:
     raise ValueError(f"delay_release={delay_release} must be in [0, max_concurrent_steps="
                      f"{config.max_concurrent_steps})")
@@ -215,7 +205,7 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   Args:
     lhs: (M, K) float16 or bfloat16; rhs: (K, N) of the same dtype.
     bias: (N,) or None; cast to the output dtype.
-    config: tiles, pipeline depth and tile order (see `TuningConfig`).
+    config: tiles, pipeline depth, tile order and schedule (see `TuningConfig`).
     epilogue: fused activation; `epilogue.has_bias` must match `bias`.
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
 
@@ -239,7 +229,12 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
 
   def ws_matmul_kernel(lhs_gmem, rhs_gmem, *rest):
     *bias_gmem, out_gmem = rest
-    emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=epilogue)
+    if config.schedule == Schedule.PINGPONG:
+      emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config,
+                           epilogue=epilogue, sm_axis=SM_AXIS, wg_axis=WG_AXIS,
+                           memory_registers=MEMORY_WG_REGISTERS)
+    else:
+      emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=epilogue)
 
   num_tiles = pl.cdiv(padded_m, config.cta_tile_m) * pl.cdiv(padded_n, config.cta_tile_n)
   kernel = plgpu.kernel(

@@ -16,6 +16,7 @@ from absl import app, flags
 
 from core import has_gpu
 from pipelines import autotune, tuning_cache
+from pipelines.config import Schedule
 from tools import cli, report
 
 _SHAPES = flags.DEFINE_list("shapes", ["4096x4096x4096"], "Problems as MxKxN.")
@@ -29,6 +30,8 @@ _STEPS = flags.DEFINE_list("steps", None, "Override the space's max_concurrent_s
 _WIDTHS = flags.DEFINE_list("widths", None, "Override the space's grid_tile_width values.")
 _MINOR = flags.DEFINE_list("minor", None, "Override the space's grid_minor_dim values (M, N).")
 _EPI = flags.DEFINE_list("epi_tiles", None, "Override the space's epilogue tiles, as MxN.")
+_SCHEDULES = flags.DEFINE_list("schedules", None,
+                               "Override the space's schedules (COOPERATIVE, PINGPONG).")
 
 QUICK_SPACE = autotune.SearchSpace(max_concurrent_steps=(4,), grid_tile_width=(8, 16),
                                    epi_tile=((64, 64),))
@@ -44,6 +47,7 @@ def search_space() -> autotune.SearchSpace:
       "grid_tile_width": _WIDTHS.value and ints(_WIDTHS.value),
       "grid_minor_dim": _MINOR.value and tuple(autotune.MatmulDimension[v] for v in _MINOR.value),
       "epi_tile": _EPI.value and tuple(cli.parse_shape(v, 2) for v in _EPI.value),
+      "schedule": _SCHEDULES.value and tuple(Schedule[v] for v in _SCHEDULES.value),
   }
   return dataclasses.replace(space, **{k: v for k, v in overrides.items() if v})
 

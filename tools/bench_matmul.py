@@ -6,8 +6,13 @@ For each shape and dtype it times, on random normal data, our pipelined
 kernel, our warp-specialized kernel (`pipelines.matmul`, tuning cache or
 heuristic), `jnp.dot` and JAX's shipped `hopper_matmul_mgpu`, each as the
 median of many CUPTI-timed runs after warm-up, and reports TFLOP/s and the
-ratio to `jnp.dot` from the same run. Writes `matmul_bench.json` and
-`matmul_bench.png` to `--out_dir`. Needs a Hopper GPU.
+ratio to `jnp.dot` from the same run. `--ws_config` adds rows for given
+warp-specialized configs, e.g.
+
+    --ws_config=schedule=PINGPONG,tile_m=128,tile_n=128,max_concurrent_steps=3
+
+Writes `matmul_bench.json` and `matmul_bench.png` to `--out_dir`. Needs a
+Hopper GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from absl import app, flags
 
 from core import device_facts, has_gpu, timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
-from pipelines import PipelinedConfig, matmul, matmul_reference, pipelined_matmul
+from pipelines import PipelinedConfig, TuningConfig, matmul, matmul_reference, pipelined_matmul
 from tools import cli, report
 
 SUITE = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192, 4096),
@@ -36,6 +41,9 @@ _PEER = flags.DEFINE_bool("peer", True, "Also time JAX's hopper_matmul_mgpu.")
 _PIPELINED = flags.DEFINE_multi_string(
     "pipelined_config", ["tile_m=128,tile_n=128,tile_k=64,max_concurrent_steps=4,delay_release=1"],
     "PipelinedConfig fields for the pipelined kernel; repeat the flag to time several.")
+_WS_CONFIGS = flags.DEFINE_multi_string(
+    "ws_config", [], "TuningConfig fields for extra warp-specialized rows (besides the "
+    "cache/heuristic one); repeat the flag to time several.")
 
 
 def _peer_matmul():
@@ -57,6 +65,9 @@ def bench_problem(m: int, k: int, n: int, dtype) -> list[dict]:
       "jnp.dot": jnp.dot,
       "ours: warp-specialized": matmul,
   }
+  for text in _WS_CONFIGS.value:
+    config = cli.parse_config(TuningConfig, text)
+    impls[f"ours: warp-specialized [{text}]"] = functools.partial(matmul, config=config)
   for text in _PIPELINED.value:
     name = "ours: pipelined" + (f" [{text}]" if len(_PIPELINED.value) > 1 else "")
     config = cli.parse_config(PipelinedConfig, text)
