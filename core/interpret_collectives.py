@@ -420,13 +420,16 @@ def _warn_when_tma_threads_run_out(original):
   @functools.wraps(original)
   def get_next_tma_thread_id(self):
     tma_thread = original(self)
-    is_last = tma_thread == len(self.all_concurrent_threads) + self.num_tma_threads - 1
-    if is_last and self.detect_races and not getattr(self, "_mgpu_warned_tma", False):
+    offset = tma_thread - len(self.all_concurrent_threads)
+    if offset == self.num_tma_threads - 1:
+      self._mgpu_tma_threads_used = True  # The next copy shares a pseudo-thread.
+    elif (offset == 0 and getattr(self, "_mgpu_tma_threads_used", False)
+          and self.detect_races and not getattr(self, "_mgpu_warned_tma", False)):
       self._mgpu_warned_tma = True  # Once per kernel run.
       _logger.warning(
-          "A kernel issued %d TMA copies in one grid step, as many as the interpreter has "
-          "TMA pseudo-threads (tma_threads_per_device x devices): later copies share them, "
-          "so the race detector may miss a copy that was never waited for. Raise "
+          "A kernel issued more than %d TMA copies in one grid step, the interpreter's TMA "
+          "pseudo-threads (tma_threads_per_device x devices): copies now share them, so the "
+          "race detector may miss a copy that was never waited for. Raise "
           "tma_threads_per_device.", self.num_tma_threads)
     return tma_thread
   return get_next_tma_thread_id

@@ -5,10 +5,12 @@ two compute warpgroups do not split a CTA tile: each block's tiles go to them
 alternately (its local tile j to warpgroup j % 2), and each warpgroup
 accumulates a whole (tile_m, tile_n) tile. The memory warpgroup fills one ring
 of SMEM slots per compute warpgroup, in tile order, and it can only run
-`max_concurrent_steps` loads ahead of the warpgroup it fills for. So the two
-warpgroups' K loops run one after the other, and each one's epilogue
-(conversion, bias, activation, TMA stores) runs under the other's wgmmas
-instead of leaving the tensor cores idle, as the cooperative schedule does.
+`max_concurrent_steps` loads ahead of the warpgroup it fills for. Nothing
+else orders the two warpgroups, but once K spans more steps than a ring has
+slots, the loads pace them: a warpgroup's K loop mostly runs while the other
+one finishes its tile, so each epilogue (conversion, bias, activation, TMA
+stores) runs under the other's wgmmas instead of leaving the tensor cores
+idle, as the cooperative schedule does.
 
 Each warpgroup waits only on its own ring's barriers. Mosaic GPU tracks a
 barrier's phase per thread, so a barrier shared by warpgroups that wait on
@@ -62,6 +64,10 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   m_tiles, n_tiles, k_steps = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n), k // tile_k
   steps = min(config.max_concurrent_steps, k_steps)  # Slots per ring.
+  # A step's slot goes back to the memory warpgroup once the wgmma reading it
+  # is done. Leaving one wgmma in flight releases the previous step's slot,
+  # which the next load may need only if the ring has two slots or more.
+  in_flight = 1 if steps > 1 else 0
 
   scratch = dict(
       lhs_smem=smem((NUM_COMPUTE_WGS, steps, tile_m, tile_k), dtype, swizzled=True),
@@ -155,23 +161,23 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
               slot, bar = slot_of(wg, position)
               plgpu.barrier_wait(loaded.at[bar])
               plgpu.wgmma(acc_ref, lhs_smem.at[wg, slot], rhs_smem.at[wg, slot])
-              # Leaves this step's wgmma in flight; the previous one is done
-              # reading its slot, which goes back to the memory warpgroup.
-              plgpu.wgmma_wait(1)
+              plgpu.wgmma_wait(in_flight)
 
-              @pl.when(kk > 0)
-              def _release_previous():
-                plgpu.barrier_arrive(consumed.at[slot_of(wg, position - 1)[1]])
+              @pl.when(kk >= in_flight)
+              def _release_done():
+                plgpu.barrier_arrive(consumed.at[slot_of(wg, position - in_flight)[1]])
               return acc_ref
 
             lax.fori_loop(0, k_steps, mma_step, acc_ref)
             acc = acc_ref[...]  # Waits for the last wgmma.
-            plgpu.barrier_arrive(consumed.at[slot_of(wg, first_position + k_steps - 1)[1]])
+            if in_flight:
+              plgpu.barrier_arrive(consumed.at[slot_of(wg, first_position + k_steps - 1)[1]])
             if bias_gmem is not None:
               plgpu.barrier_wait(bias_loaded.at[wg])
             wg_out = out_gmem.at[pl.ds(m_tile * tile_m, tile_m), n_slice]
             store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
 
       tile_loop(compute_tile)
-      # The last tile's stores must land before the kernel exits.
+      # The last tile's stores must be done reading SMEM before the kernel
+      # exits (their GMEM writes complete on their own).
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -177,7 +177,8 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
         def _wait_drained():
           plgpu.barrier_wait(tile_drained)
 
-  # The last tile's stores must land before the kernel exits.
+  # The last tile's stores must be done reading SMEM before the kernel
+  # exits (their GMEM writes complete on their own).
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
