@@ -42,8 +42,9 @@ class Schedule(enum.Enum):
   COOPERATIVE: both work on one CTA tile, each on its half along
     `wg_dimension`; they run their K loops and then their epilogues together,
     so the tensor cores idle during the epilogue.
-  PINGPONG: each works on its own output tile, alternately: while one runs
-    its epilogue, the other runs its K loop. Each warpgroup has its own ring
+  PINGPONG: each works on its own output tile, alternately, so one's
+    epilogue can run while the other runs its K loop (the loads pace them;
+    see `pingpong_matmul_sm90`). Each warpgroup has its own ring
     of SMEM slots, so a CTA tile is one warpgroup tile and holds twice the
     operand slots of a cooperative CTA tile of the same size.
   """

@@ -98,7 +98,9 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
       body(local % NUM_COMPUTE_WGS, (local // NUM_COMPUTE_WGS) * k_steps, m_tile, n_tile)
 
   def slot_of(ring, position):
-    return lax.rem(position, steps), ring * steps + lax.rem(position, steps)
+    """The slot of `position` in `ring`, and the index of its barriers."""
+    slot = lax.rem(position, steps)
+    return slot, ring * steps + slot
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=wg_axis)
   def _scope(lhs_smem, rhs_smem, out_smem, loaded, consumed, bias_smem=None, bias_loaded=None):
