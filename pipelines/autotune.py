@@ -29,7 +29,7 @@ class SearchSpace:
   tile_m: tuple[int, ...] = (64, 128)
   tile_n: tuple[int, ...] = (128, 256)
   tile_k: tuple[int, ...] = (64,)
-  max_concurrent_steps: tuple[int, ...] = (3, 4, 5)
+  max_concurrent_steps: tuple[int, ...] = (3, 4, 5, 6)
   epi_tile: tuple[tuple[int, int], ...] = ((64, 64), (64, 128))
   grid_minor_dim: tuple[MatmulDimension, ...] = tuple(MatmulDimension)
   grid_tile_width: tuple[int, ...] = (4, 8, 16)
@@ -62,10 +62,11 @@ class Candidate:
 
 
 def feasible_configs(problem: operands.MatmulProblem, out_dtype,
-                     space: SearchSpace) -> list[TuningConfig]:
-  """Configs of `space` that pass the problem and SMEM checks (nothing compiled)."""
+                     space: SearchSpace | Iterable[TuningConfig]) -> list[TuningConfig]:
+  """Configs of `space` (or given ones) that pass the problem and SMEM checks
+  (nothing compiled)."""
   out = []
-  for config in space.configs():
+  for config in space.configs() if isinstance(space, SearchSpace) else space:
     try:
       ws_matmul_sm90.check_config(config, problem, out_dtype)
     except ValueError:
@@ -74,12 +75,14 @@ def feasible_configs(problem: operands.MatmulProblem, out_dtype,
   return out
 
 
-def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None, space: SearchSpace = SearchSpace(),
+def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
+         space: SearchSpace | Iterable[TuningConfig] = SearchSpace(),
          timer: Callable | None = None, store: bool = False, log=sys.stderr) -> list[Candidate]:
   """Times every feasible config of `space` on `lhs @ rhs`; best first.
 
   Args:
     lhs, rhs: (M, K) and (K, N) float16/bfloat16 operands (random data).
+    space: a `SearchSpace`, or the configs to try.
     timer: `timer(fn, args) -> median microseconds`; CUPTI timing on the GPU by default.
     store: write the winner to the tuning cache.
   """

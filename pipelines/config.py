@@ -23,6 +23,11 @@ K_MULTIPLE = 16
 OPERAND_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # The compute warpgroups of the warp-specialized kernel (plus one memory warpgroup).
 NUM_COMPUTE_WGS = 2
+# A compute warpgroup gets 232 registers per thread. Its float32 accumulator
+# may take at most this many of them: 64x256 (128) and 128x192 (192) tiles
+# run at full speed on an H200; 128x256 (256) spills and runs at a fraction.
+MAX_ACCUMULATOR_REGISTERS = 192
+WARPGROUP_THREADS = 128
 
 
 class MatmulDimension(enum.IntEnum):
@@ -44,9 +49,8 @@ class Schedule(enum.Enum):
     so the tensor cores idle during the epilogue.
   PINGPONG: each works on its own output tile, alternately, so one's
     epilogue can run while the other runs its K loop (the loads pace them;
-    see `pingpong_matmul_sm90`). Each warpgroup has its own ring
-    of SMEM slots, so a CTA tile is one warpgroup tile and holds twice the
-    operand slots of a cooperative CTA tile of the same size.
+    see `pingpong_matmul_sm90`). A CTA tile is one warpgroup tile; one ring
+    of SMEM slots runs through the K steps of all of a block's tiles.
   """
 
   COOPERATIVE = "cooperative"
@@ -140,8 +144,9 @@ class TuningConfig:
 
   Attributes:
     tile_m, tile_n, tile_k: per-warpgroup output tile and the K step.
-    max_concurrent_steps: SMEM slots per operand (per warpgroup under
-      ping-pong).
+    max_concurrent_steps: SMEM slots per operand. Cooperative: clamped to
+      the K steps of a tile. Ping-pong: not clamped, since the ring carries
+      on into the next tile's K steps.
     epi_tile_m, epi_tile_n: the epilogue stores the accumulator through SMEM in
       tiles of this size (double-buffered), so the next tile's loads can use
       the SMEM the epilogue does not hold.
@@ -180,6 +185,13 @@ class TuningConfig:
         raise ValueError(f"{name}={getattr(self, name)!r} must be a MatmulDimension")
     if not isinstance(self.schedule, Schedule):
       raise ValueError(f"schedule={self.schedule!r} must be a Schedule")
+    registers = self.tile_m * self.tile_n // WARPGROUP_THREADS
+    if registers > MAX_ACCUMULATOR_REGISTERS:
+      raise ValueError(
+          f"a ({self.tile_m}, {self.tile_n}) float32 accumulator needs {registers} registers "
+          f"per thread of its warpgroup, more than {MAX_ACCUMULATOR_REGISTERS}; use "
+          f"tile_m * tile_n <= {MAX_ACCUMULATOR_REGISTERS * WARPGROUP_THREADS} (e.g. 64x256 "
+          f"or 128x192)")
 
   @property
   def cta_tile_m(self) -> int:
@@ -192,10 +204,17 @@ class TuningConfig:
   def _split(self, dimension: MatmulDimension) -> bool:
     return self.schedule == Schedule.COOPERATIVE and self.wg_dimension == dimension
 
+  def operand_slots(self, k: int) -> int:
+    """SMEM slots per operand for K = `k` (see `max_concurrent_steps`)."""
+    if self.schedule == Schedule.PINGPONG:
+      return self.max_concurrent_steps
+    return min(self.max_concurrent_steps, k // self.tile_k)
+
   @property
-  def operand_rings(self) -> int:
-    """Rings of `max_concurrent_steps` operand slots: one per warpgroup under ping-pong."""
-    return NUM_COMPUTE_WGS if self.schedule == Schedule.PINGPONG else 1
+  def barriers_per_slot(self) -> int:
+    """A "loaded" and a "consumed" barrier per slot, per compute warpgroup
+    under ping-pong (where both warpgroups use each slot in turn)."""
+    return 2 * (NUM_COMPUTE_WGS if self.schedule == Schedule.PINGPONG else 1)
 
   @property
   def epilogue_slots(self) -> int:
@@ -205,8 +224,7 @@ class TuningConfig:
   def smem_budget(self, k: int, dtype, out_dtype, *, has_bias: bool = False,
                   delay_release: int = 0) -> SmemBudget:
     """SMEM this config allocates for K = `k` (all of it alive at once)."""
-    steps = min(self.max_concurrent_steps, k // self.tile_k)
-    slots = self.operand_rings * steps
+    slots = self.operand_slots(k)
     buffers = [
         SmemBuffer(name="lhs_smem", shape=(self.cta_tile_m, self.tile_k), dtype=dtype,
                    copies=slots),
@@ -218,11 +236,11 @@ class TuningConfig:
     if has_bias:
       buffers.append(SmemBuffer(name="bias_smem", shape=(self.tile_n,), dtype=out_dtype,
                                 copies=NUM_COMPUTE_WGS))
-    # Per slot, a "loaded" barrier (TMA done) and a "consumed" one (compute
-    # warpgroups done); per compute warpgroup one for its bias load; with
+    # The slots' barriers; per compute warpgroup one for its bias load; with
     # delayed release, one that says a tile's slots are all free again.
     return SmemBudget(phases=(tuple(buffers),),
-                      num_barriers=(2 * slots + (NUM_COMPUTE_WGS if has_bias else 0)
+                      num_barriers=(self.barriers_per_slot * slots
+                                    + (NUM_COMPUTE_WGS if has_bias else 0)
                                     + (1 if delay_release else 0)))
 
 
@@ -237,4 +255,15 @@ def check_operand_dtype(name: str, dtype) -> jnp.dtype:
 def check_swizzle(config, dtype) -> None:
   """Raises if a tile row cannot be swizzled for TMA + wgmma."""
   swizzle_bytes(config.tile_k, dtype, what="lhs tile (tile_k)")
-  swizzle_bytes(getattr(config, "cta_tile_n", config.tile_n), dtype, what="rhs tile (tile_n)")
+  cta_tile_n = getattr(config, "cta_tile_n", config.tile_n)
+  swizzle = swizzle_bytes(cta_tile_n, dtype, what="rhs tile (tile_n)")
+  if cta_tile_n != config.tile_n:
+    # Each warpgroup's wgmma reads its columns of the CTA's RHS tile, which
+    # must start at a swizzled segment.
+    segment = swizzle // jnp.dtype(dtype).itemsize
+    if config.tile_n % segment:
+      raise ValueError(
+          f"tile_n={config.tile_n} must be a multiple of {segment} when the warpgroups "
+          f"split N (wg_dimension=MatmulDimension.N): each reads its columns of a "
+          f"{cta_tile_n}-wide {jnp.dtype(dtype).name} RHS tile swizzled in {segment}-column "
+          f"segments")

@@ -90,6 +90,23 @@ class WarpSpecializedMatmulTest(testing.KernelTestCase):
     self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue),
                       dtype=jnp.bfloat16)
 
+  @parameterized.parameters(
+      # 8 CTA tiles on 3 blocks (3, 3, 2 each): each block's pipelines reuse
+      # the same slots and barriers tile after tile.
+      (3, (256, 128, 256), 2, Epilogue(activation="gelu", has_bias=True)),
+      (2, (256, 192, 128), 2, Epilogue()),  # 3 K steps through 2 slots.
+  )
+  def test_several_tiles_per_block(self, num_blocks, shape, steps, epilogue):
+    m, k, n = shape
+    config = dataclasses.replace(SMALL_WS, max_concurrent_steps=steps)
+    lhs, rhs = operands(19, m, k, n, jnp.bfloat16)
+    bias = testing.random_array(20, (n,), jnp.bfloat16) if epilogue.has_bias else None
+    with with_blocks(num_blocks):
+      out = self.run_kernel(ws_matmul, lhs, rhs, bias, config=config, epilogue=epilogue,
+                            out_bytes=m * n * 2)
+    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue),
+                      dtype=jnp.bfloat16)
+
   @parameterized.parameters((200, 128, 136), (64, 64, 40), (130, 192, 248))
   def test_ragged_m_and_n_are_masked(self, m, k, n):
     lhs, rhs = operands(7, m, k, n, jnp.float16)
@@ -129,8 +146,10 @@ class PingPongMatmulTest(testing.KernelTestCase):
       # 5 tiles on 3 blocks: one block's second warpgroup gets no tile; one K step.
       (3, (320, 64, 64), jnp.bfloat16, 2, Epilogue(activation="gelu", has_bias=True)),
       (1, (192, 128, 128), jnp.float16, 2, Epilogue(activation="silu", has_bias=True)),
-      # One slot per ring: each slot is released before the next load.
+      # One slot: each slot is released before the next load.
       (2, (192, 128, 64), jnp.float16, 1, Epilogue()),
+      # 2 K steps through 3 slots: a tile's loads start in the other's K loop.
+      (2, (256, 128, 192), jnp.bfloat16, 3, Epilogue(activation="relu", has_bias=True)),
   )
   def test_matches_reference(self, num_blocks, shape, dtype, steps, epilogue):
     m, k, n = shape
@@ -148,13 +167,13 @@ class PingPongMatmulTest(testing.KernelTestCase):
     (a phase completed that no thread waited for), whichever fires first."""
     if self.backend != testing.INTERPRET:
       self.skipTest("a planted race, for the interpreter's race detector")
-    slots = 2 * SMALL_PINGPONG.max_concurrent_steps
+    barriers = 2 * SMALL_PINGPONG.max_concurrent_steps
     wait = pingpong_matmul_sm90.plgpu.barrier_wait
 
     def skip_release_waits(ref):
       aval = ref.ref.aval if hasattr(ref, "ref") else ref.aval
-      # The "consumed" barriers: one arrival, one per slot of both rings.
-      if aval.inner_aval.shape == (slots,) and aval.inner_aval.dtype.num_arrivals == 1:
+      # The "consumed" barriers: one arrival, one per slot and warpgroup.
+      if aval.inner_aval.shape == (barriers,) and aval.inner_aval.dtype.num_arrivals == 1:
         return
       wait(ref)
 
@@ -172,7 +191,7 @@ class PingPongMatmulTest(testing.KernelTestCase):
   def test_real_sizes(self):
     if self.backend != testing.GPU:
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
-    config = TuningConfig(tile_m=128, tile_n=128, max_concurrent_steps=3, epi_tile_n=64,
+    config = TuningConfig(tile_m=128, tile_n=128, max_concurrent_steps=6,
                           schedule=Schedule.PINGPONG)
     for (m, k, n), activation in (((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu")):
       lhs, rhs = operands(17, m, k, n, jnp.bfloat16)
@@ -225,6 +244,20 @@ class MatmulApiTest(testing.KernelTestCase):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
       config = default_config(problem, jnp.float16)
       self.assertEqual((config.cta_tile_m, config.cta_tile_n), cta, f"{m}x{k}x{n}")
+      self.assertEqual(config.schedule, Schedule.COOPERATIVE)
+
+  def test_heuristic_takes_pingpong_for_short_k(self):
+    """Where 128x192 tiles leave the busiest SM no more work and K is short."""
+    from pipelines import default_config
+    from pipelines import operands as ops
+    for (m, k, n), schedule in (((16384, 1024, 8192), Schedule.PINGPONG),
+                                ((16384, 4096, 8192), Schedule.COOPERATIVE),  # Long K.
+                                ((4096, 1024, 4096), Schedule.COOPERATIVE)):  # 6 waves, not 4.
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
+      for out_dtype in (jnp.bfloat16, jnp.float32):
+        config = default_config(problem, out_dtype)
+        self.assertEqual(config.schedule, schedule, f"{m}x{k}x{n}")
+        self.assertTrue(config.smem_budget(k, jnp.bfloat16, out_dtype, has_bias=True).fits())
 
 
 class BadInputTest(parameterized.TestCase):
@@ -260,7 +293,12 @@ class BadInputTest(parameterized.TestCase):
              activation="tanh")
     lhs, rhs = jnp.zeros((512, 4096), jnp.float16), jnp.zeros((4096, 512), jnp.float16)
     with self.assertRaisesRegex(ValueError, "shared memory.*lhs_smem"):
-      ws_matmul(lhs, rhs, config=TuningConfig(tile_n=256, max_concurrent_steps=6))
+      ws_matmul(lhs, rhs, config=TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=6,
+                                              wg_dimension=MatmulDimension.M))
+    with self.assertRaisesRegex(ValueError, "needs 256 registers per thread"):
+      TuningConfig(tile_m=128, tile_n=256)
+    with self.assertRaisesRegex(ValueError, "tile_n=96 must be a multiple of 64 when"):
+      ws_matmul(lhs, rhs, config=TuningConfig(tile_n=96, epi_tile_n=32))
     with self.assertRaisesRegex(ValueError, "multiple of tile_k=128"):
       pipelined_matmul(jnp.zeros((64, 192), jnp.float16), jnp.zeros((192, 64), jnp.float16),
                        config=PipelinedConfig(tile_k=128))

@@ -3,18 +3,20 @@
 Same grid, tile order, warpgroups and epilogue as `ws_matmul_sm90`, but the
 two compute warpgroups do not split a CTA tile: each block's tiles go to them
 alternately (its local tile j to warpgroup j % 2), and each warpgroup
-accumulates a whole (tile_m, tile_n) tile. The memory warpgroup fills one ring
-of SMEM slots per compute warpgroup, in tile order, and it can only run
-`max_concurrent_steps` loads ahead of the warpgroup it fills for. Nothing
-else orders the two warpgroups, but once K spans more steps than a ring has
-slots, the loads pace them: a warpgroup's K loop mostly runs while the other
-one finishes its tile, so each epilogue (conversion, bias, activation, TMA
-stores) runs under the other's wgmmas instead of leaving the tensor cores
-idle, as the cooperative schedule does.
+accumulates a whole (tile_m, tile_n) tile. The memory warpgroup fills one
+ring of `max_concurrent_steps` SMEM slots with the K steps of the block's
+tiles in order, so the ring runs across tile boundaries: while one
+warpgroup finishes its K loop the loads for the other's next tile already
+fill the slots it frees. Nothing else orders the warpgroups; the loads pace
+them, so a warpgroup's epilogue (conversion, bias, activation, TMA stores)
+runs under the other's wgmmas instead of leaving the tensor cores idle, as
+the cooperative schedule does.
 
-Each warpgroup waits only on its own ring's barriers. Mosaic GPU tracks a
-barrier's phase per thread, so a barrier shared by warpgroups that wait on
-alternate phases of it would lose track; two rings avoid that.
+A slot is used by both warpgroups in turn, but its barriers are not shared:
+each slot has a "loaded" and a "consumed" barrier per warpgroup, and a
+load arrives on those of the warpgroup whose tile it belongs to. Mosaic GPU
+tracks the phase of a barrier per waiting thread, so a warpgroup that waited
+on only its own uses of a shared barrier would lose track of its phase.
 """
 
 from __future__ import annotations
@@ -63,31 +65,31 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   m_tiles, n_tiles, k_steps = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n), k // tile_k
-  steps = min(config.max_concurrent_steps, k_steps)  # Slots per ring.
+  slots = config.operand_slots(k)  # Not clamped to k_steps: the ring spans tiles.
   # A step's slot goes back to the memory warpgroup once the wgmma reading it
   # is done. Leaving one wgmma in flight releases the previous step's slot,
   # which the next load may need only if the ring has two slots or more.
-  in_flight = 1 if steps > 1 else 0
+  in_flight = 1 if slots > 1 else 0
 
   scratch = dict(
-      lhs_smem=smem((NUM_COMPUTE_WGS, steps, tile_m, tile_k), dtype, swizzled=True),
-      rhs_smem=smem((NUM_COMPUTE_WGS, steps, tile_k, tile_n), dtype, swizzled=True),
+      lhs_smem=smem((slots, tile_m, tile_k), dtype, swizzled=True),
+      rhs_smem=smem((slots, tile_k, tile_n), dtype, swizzled=True),
       out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
                      config.epi_tile_n), out_dtype, swizzled=True),
-      # Slot s of warpgroup w's ring is barrier w * steps + s.
-      loaded=barrier(num_barriers=NUM_COMPUTE_WGS * steps, num_arrivals=_COPIES_PER_SLOT),
-      consumed=barrier(num_barriers=NUM_COMPUTE_WGS * steps),
+      # Warpgroup w's barriers for slot s are number w * slots + s.
+      loaded=barrier(num_barriers=NUM_COMPUTE_WGS * slots, num_arrivals=_COPIES_PER_SLOT),
+      consumed=barrier(num_barriers=NUM_COMPUTE_WGS * slots),
   )
   if bias_gmem is not None:
     scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, tile_n), out_dtype)
     scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
 
   def tile_loop(body):
-    """Runs `body(ring, first_position, m_tile, n_tile)` for each of this block's tiles.
+    """Runs `body(owner, first_position, m_tile, n_tile)` for each of this block's tiles.
 
-    `ring` is the compute warpgroup the tile belongs to; `first_position` is
-    the index, in that ring, of the tile's first K step (slot = position %
-    steps, and the slot's barriers complete once per position).
+    `owner` is the compute warpgroup the tile belongs to. A position counts
+    the K steps of the block's tiles in order; `first_position` is that of
+    the tile's first step.
     """
     @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes=sm_axis)
     def _loop(loop_info: plgpu.NDLoopInfo):
@@ -95,12 +97,16 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
       local = loop_info.local_index
       m_tile, n_tile = plgpu.planar_snake(linear, (m_tiles, n_tiles), config.grid_minor_dim,
                                           config.grid_tile_width)
-      body(local % NUM_COMPUTE_WGS, (local // NUM_COMPUTE_WGS) * k_steps, m_tile, n_tile)
+      body(local % NUM_COMPUTE_WGS, local * k_steps, m_tile, n_tile)
 
-  def slot_of(ring, position):
-    """The slot of `position` in `ring`, and the index of its barriers."""
-    slot = lax.rem(position, steps)
-    return slot, ring * steps + slot
+  def slot_of(position):
+    return lax.rem(position, slots)
+
+  def barrier_of(position, owner=None):
+    """The index of `position`'s barriers (owner: its tile's warpgroup, if known)."""
+    if owner is None:
+      owner = lax.rem(lax.div(position, k_steps), NUM_COMPUTE_WGS)
+    return owner * slots + slot_of(position)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=wg_axis)
   def _scope(lhs_smem, rhs_smem, out_smem, loaded, consumed, bias_smem=None, bias_loaded=None):
@@ -110,45 +116,44 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
     def _memory_warpgroup():
       plgpu.set_max_registers(memory_registers, action="decrease")
 
-      def load_tile(ring, first_position, m_tile, n_tile):
+      def load_tile(owner, first_position, m_tile, n_tile):
         @pl.loop(0, k_steps)
         def _load_step(kk):
           position = first_position + kk
-          slot, bar = slot_of(ring, position)
+          slot = slot_of(position)
 
-          @pl.when(position >= steps)
-          def _wait_for_release():  # Of the position `steps` before, same slot.
-            plgpu.barrier_wait(consumed.at[bar])
+          @pl.when(position >= slots)
+          def _wait_for_release():  # Of the slot's previous position, by its owner.
+            plgpu.barrier_wait(consumed.at[barrier_of(position - slots)])
 
           k_slice = pl.ds(kk * tile_k, tile_k)
+          bar = loaded.at[barrier_of(position, owner)]
           plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(m_tile * tile_m, tile_m), k_slice],
-                                  lhs_smem.at[ring, slot], loaded.at[bar])
+                                  lhs_smem.at[slot], bar)
           plgpu.copy_gmem_to_smem(rhs_gmem.at[k_slice, pl.ds(n_tile * tile_n, tile_n)],
-                                  rhs_smem.at[ring, slot], loaded.at[bar])
+                                  rhs_smem.at[slot], bar)
 
       tile_loop(load_tile)
-      # Wait for the releases of each ring's last slots too, so that no
-      # barrier is left mid-phase when the kernel ends.
+      # Wait for the releases of the last positions too, so that no barrier
+      # is left mid-phase when the kernel ends.
       num_local_tiles = pl.cdiv(m_tiles * n_tiles - lax.axis_index(sm_axis),
                                 lax.axis_size(sm_axis))
-      for ring in range(NUM_COMPUTE_WGS):
-        ring_tiles = (num_local_tiles - ring + NUM_COMPUTE_WGS - 1) // NUM_COMPUTE_WGS
-        end = ring_tiles * k_steps
+      end = num_local_tiles * k_steps
 
-        @pl.loop(0, steps)
-        def _drain(i, ring=ring, end=end):
-          position = end - steps + i
+      @pl.loop(0, slots)
+      def _drain(i):
+        position = end - slots + i
 
-          @pl.when(position >= 0)
-          def _wait():
-            plgpu.barrier_wait(consumed.at[slot_of(ring, position)[1]])
+        @pl.when(position >= 0)
+        def _wait():
+          plgpu.barrier_wait(consumed.at[barrier_of(position)])
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute_warpgroup():
       plgpu.set_max_registers(compute_registers(memory_registers), action="increase")
 
-      def compute_tile(ring, first_position, m_tile, n_tile):
-        @pl.when(ring == wg)
+      def compute_tile(owner, first_position, m_tile, n_tile):
+        @pl.when(owner == wg)
         def _mine():
           n_slice = pl.ds(n_tile * tile_n, tile_n)
           if bias_gmem is not None:
@@ -160,20 +165,20 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
           def _acc_scope(acc_ref):
             def mma_step(kk, acc_ref):
               position = first_position + kk
-              slot, bar = slot_of(wg, position)
-              plgpu.barrier_wait(loaded.at[bar])
-              plgpu.wgmma(acc_ref, lhs_smem.at[wg, slot], rhs_smem.at[wg, slot])
+              slot = slot_of(position)
+              plgpu.barrier_wait(loaded.at[barrier_of(position, wg)])
+              plgpu.wgmma(acc_ref, lhs_smem.at[slot], rhs_smem.at[slot])
               plgpu.wgmma_wait(in_flight)
 
               @pl.when(kk >= in_flight)
               def _release_done():
-                plgpu.barrier_arrive(consumed.at[slot_of(wg, position - in_flight)[1]])
+                plgpu.barrier_arrive(consumed.at[barrier_of(position - in_flight, wg)])
               return acc_ref
 
             lax.fori_loop(0, k_steps, mma_step, acc_ref)
             acc = acc_ref[...]  # Waits for the last wgmma.
             if in_flight:
-              plgpu.barrier_arrive(consumed.at[slot_of(wg, first_position + k_steps - 1)[1]])
+              plgpu.barrier_arrive(consumed.at[barrier_of(first_position + k_steps - 1, wg)])
             if bias_gmem is not None:
               plgpu.barrier_wait(bias_loaded.at[wg])
             wg_out = out_gmem.at[pl.ds(m_tile * tile_m, tile_m), n_slice]

@@ -2,6 +2,8 @@
 
     bazel run //tools:autotune_matmul -- --shapes=4096x4096x4096 --dtypes=float16
 
+`--config` (repeated) sweeps exactly the configs given instead of a space.
+
 Writes each winner into the tuning cache (`pipelines/tuning_cache.json`, or
 `--cache`), keyed by GPU kind, jax version and problem, and the full sweep to
 `--out_dir/autotune_<shape>_<dtype>.json`. Needs a Hopper GPU.
@@ -16,7 +18,7 @@ from absl import app, flags
 
 from core import has_gpu
 from pipelines import autotune, tuning_cache
-from pipelines.config import Schedule
+from pipelines.config import Schedule, TuningConfig
 from tools import cli, report
 
 _SHAPES = flags.DEFINE_list("shapes", ["4096x4096x4096"], "Problems as MxKxN.")
@@ -32,12 +34,17 @@ _MINOR = flags.DEFINE_list("minor", None, "Override the space's grid_minor_dim v
 _EPI = flags.DEFINE_list("epi_tiles", None, "Override the space's epilogue tiles, as MxN.")
 _SCHEDULES = flags.DEFINE_list("schedules", None,
                                "Override the space's schedules (COOPERATIVE, PINGPONG).")
+_CONFIGS = flags.DEFINE_multi_string(
+    "config", [], "Sweep exactly these configs instead of a space: TuningConfig fields, e.g. "
+    "schedule=PINGPONG,tile_m=128,tile_n=192; repeat the flag for each.")
 
 QUICK_SPACE = autotune.SearchSpace(max_concurrent_steps=(4,), grid_tile_width=(8, 16),
                                    epi_tile=((64, 64),))
 
 
-def search_space() -> autotune.SearchSpace:
+def search_space() -> autotune.SearchSpace | list[TuningConfig]:
+  if _CONFIGS.value:
+    return [cli.parse_config(TuningConfig, text) for text in _CONFIGS.value]
   space = QUICK_SPACE if _QUICK.value else autotune.SearchSpace()
   ints = lambda values: tuple(int(v) for v in values)  # noqa: E731
   overrides = {
