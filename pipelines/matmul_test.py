@@ -247,12 +247,13 @@ class MatmulApiTest(testing.KernelTestCase):
       self.assertEqual(config.schedule, Schedule.COOPERATIVE)
 
   def test_heuristic_takes_pingpong_for_short_k(self):
-    """Where 128x192 tiles leave the busiest SM no more work and K is short."""
+    """Where K is short and 128x192 tiles leave the busiest SM at most 5% more work."""
     from pipelines import default_config
     from pipelines import operands as ops
     for (m, k, n), schedule in (((16384, 1024, 8192), Schedule.PINGPONG),
+                                ((8192, 1024, 4096), Schedule.PINGPONG),  # 3% more work.
                                 ((16384, 4096, 8192), Schedule.COOPERATIVE),  # Long K.
-                                ((4096, 1024, 4096), Schedule.COOPERATIVE)):  # 6 waves, not 4.
+                                ((4096, 1024, 4096), Schedule.COOPERATIVE)):  # 12.5% more.
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
       for out_dtype in (jnp.bfloat16, jnp.float32):
         config = default_config(problem, out_dtype)
