@@ -28,6 +28,8 @@ NUM_COMPUTE_WGS = 2
 # run at full speed on an H200; 128x256 (256) spills and runs at a fraction.
 MAX_ACCUMULATOR_REGISTERS = 192
 WARPGROUP_THREADS = 128
+# Mosaic GPU tracks the phases of an array of barriers in one 32-bit mask.
+MAX_BARRIERS_PER_ARRAY = 32
 
 
 class MatmulDimension(enum.IntEnum):
@@ -185,6 +187,13 @@ class TuningConfig:
         raise ValueError(f"{name}={getattr(self, name)!r} must be a MatmulDimension")
     if not isinstance(self.schedule, Schedule):
       raise ValueError(f"schedule={self.schedule!r} must be a Schedule")
+    per_slot = self.barriers_per_slot // 2  # Per array: "loaded" and "consumed" apart.
+    if per_slot * self.max_concurrent_steps > MAX_BARRIERS_PER_ARRAY:
+      raise ValueError(
+          f"max_concurrent_steps={self.max_concurrent_steps} is too deep for {self.schedule!r}: "
+          f"an array of its slots' barriers would hold {per_slot * self.max_concurrent_steps}, "
+          f"and Mosaic GPU allows {MAX_BARRIERS_PER_ARRAY}, so at most "
+          f"{MAX_BARRIERS_PER_ARRAY // per_slot} slots")
     registers = self.tile_m * self.tile_n // WARPGROUP_THREADS
     if registers > MAX_ACCUMULATOR_REGISTERS:
       raise ValueError(

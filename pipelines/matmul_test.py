@@ -298,6 +298,8 @@ class BadInputTest(parameterized.TestCase):
                                               wg_dimension=MatmulDimension.M))
     with self.assertRaisesRegex(ValueError, "needs 256 registers per thread"):
       TuningConfig(tile_m=128, tile_n=256)
+    with self.assertRaisesRegex(ValueError, "max_concurrent_steps=17 is too deep.*at most 16"):
+      TuningConfig(max_concurrent_steps=17, schedule=Schedule.PINGPONG)
     with self.assertRaisesRegex(ValueError, "tile_n=96 must be a multiple of 64 when"):
       ws_matmul(lhs, rhs, config=TuningConfig(tile_n=96, epi_tile_n=32))
     with self.assertRaisesRegex(ValueError, "multiple of tile_k=128"):
