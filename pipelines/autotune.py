@@ -27,7 +27,7 @@ class SearchSpace:
   """The values each `TuningConfig` field takes in a sweep."""
 
   tile_m: tuple[int, ...] = (64, 128)
-  tile_n: tuple[int, ...] = (128, 256)
+  tile_n: tuple[int, ...] = (128, 192, 256)
   tile_k: tuple[int, ...] = (64,)
   max_concurrent_steps: tuple[int, ...] = (3, 4, 5, 6)
   epi_tile: tuple[tuple[int, int], ...] = ((64, 64), (64, 128))
