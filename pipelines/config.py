@@ -23,9 +23,10 @@ K_MULTIPLE = 16
 OPERAND_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # The compute warpgroups of the warp-specialized kernel (plus one memory warpgroup).
 NUM_COMPUTE_WGS = 2
-# A compute warpgroup gets 232 registers per thread. Its float32 accumulator
-# may take at most this many of them: 64x256 (128) and 128x192 (192) tiles
-# run at full speed on an H200; 128x256 (256) spills and runs at a fraction.
+# Registers per thread a warpgroup's float32 accumulator may take (a compute
+# warpgroup of the warp-specialized kernel gets 232, the pipelined kernel's
+# one warpgroup at most 255): 64x256 (128) and 128x192 (192) tiles run at full
+# speed on an H200; 128x256 (256) spills and runs at a fifth of that.
 MAX_ACCUMULATOR_REGISTERS = 192
 WARPGROUP_THREADS = 128
 # Mosaic GPU tracks the phases of an array of barriers in one 32-bit mask.
@@ -68,11 +69,18 @@ def _check_positive_multiple(name: str, value: int, multiple: int) -> None:
 
 
 def _check_tiles(tile_m: int, tile_n: int, tile_k: int) -> None:
+  """Raises unless one warpgroup can hold a (tile_m, tile_n) wgmma accumulator."""
   _check_positive_multiple("tile_m", tile_m, WGMMA_M)
   _check_positive_multiple("tile_n", tile_n, WGMMA_N_MULTIPLE)
   _check_positive_multiple("tile_k", tile_k, K_MULTIPLE)
   if tile_n > WGMMA_MAX_N:
     raise ValueError(f"tile_n={tile_n} exceeds the wgmma maximum of {WGMMA_MAX_N}")
+  registers = tile_m * tile_n // WARPGROUP_THREADS
+  if registers > MAX_ACCUMULATOR_REGISTERS:
+    raise ValueError(
+        f"a ({tile_m}, {tile_n}) float32 accumulator needs {registers} registers per thread "
+        f"of its warpgroup, more than {MAX_ACCUMULATOR_REGISTERS}; use tile_m * tile_n <= "
+        f"{MAX_ACCUMULATOR_REGISTERS * WARPGROUP_THREADS} (e.g. 64x256 or 128x192)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,13 +202,6 @@ class TuningConfig:
           f"an array of its slots' barriers would hold {per_slot * self.max_concurrent_steps}, "
           f"and Mosaic GPU allows {MAX_BARRIERS_PER_ARRAY}, so at most "
           f"{MAX_BARRIERS_PER_ARRAY // per_slot} slots")
-    registers = self.tile_m * self.tile_n // WARPGROUP_THREADS
-    if registers > MAX_ACCUMULATOR_REGISTERS:
-      raise ValueError(
-          f"a ({self.tile_m}, {self.tile_n}) float32 accumulator needs {registers} registers "
-          f"per thread of its warpgroup, more than {MAX_ACCUMULATOR_REGISTERS}; use "
-          f"tile_m * tile_n <= {MAX_ACCUMULATOR_REGISTERS * WARPGROUP_THREADS} (e.g. 64x256 "
-          f"or 128x192)")
 
   @property
   def cta_tile_m(self) -> int:

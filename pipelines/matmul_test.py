@@ -63,7 +63,7 @@ class PipelinedMatmulTest(testing.KernelTestCase):
     if self.backend != testing.GPU:
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
     lhs, rhs = operands(2, 4096, 4096, 4096, jnp.float16)
-    for config in (PipelinedConfig(), PipelinedConfig(tile_n=256, max_concurrent_steps=3)):
+    for config in (PipelinedConfig(), PipelinedConfig(tile_n=192, max_concurrent_steps=3)):
       out = self.run_kernel(pipelined_matmul, lhs, rhs, config=config, out_bytes=4096 * 4096 * 2)
       self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
@@ -289,6 +289,8 @@ class BadInputTest(parameterized.TestCase):
       PipelinedConfig(max_concurrent_steps=0)
     with self.assertRaisesRegex(ValueError, "tile_n=512 exceeds"):
       PipelinedConfig(tile_n=512)
+    with self.assertRaisesRegex(ValueError, "needs 256 registers per thread"):
+      PipelinedConfig(tile_n=256)
     with self.assertRaisesRegex(ValueError, "activation='tanh'"):
       matmul(jnp.zeros((64, 64), jnp.float16), jnp.zeros((64, 64), jnp.float16),
              activation="tanh")

@@ -26,7 +26,7 @@ class SmemModelTest(parameterized.TestCase):
 
   @parameterized.parameters(
       (PipelinedConfig(), 4096),
-      (PipelinedConfig(tile_n=256, max_concurrent_steps=3), 4096),
+      (PipelinedConfig(tile_n=192, max_concurrent_steps=3), 4096),
       (PipelinedConfig(tile_m=64, max_concurrent_steps=6), 128),  # Steps clamp to K steps.
   )
   def test_pipelined(self, config, k):
