@@ -13,6 +13,7 @@ import enum
 import jax.numpy as jnp
 
 from core import PipelineOptions, SmemBudget, SmemBuffer, swizzle_bytes
+from core.memory import swizzle_elems
 
 # wgmma: one warpgroup computes a (64k, n) tile with n a multiple of 8, n <= 256.
 WGMMA_M = 64
@@ -195,13 +196,13 @@ class TuningConfig:
         raise ValueError(f"{name}={getattr(self, name)!r} must be a MatmulDimension")
     if not isinstance(self.schedule, Schedule):
       raise ValueError(f"schedule={self.schedule!r} must be a Schedule")
-    per_slot = self.barriers_per_slot // 2  # Per array: "loaded" and "consumed" apart.
-    if per_slot * self.max_concurrent_steps > MAX_BARRIERS_PER_ARRAY:
+    per_array = self.slot_barrier_sets * self.max_concurrent_steps
+    if per_array > MAX_BARRIERS_PER_ARRAY:
       raise ValueError(
           f"max_concurrent_steps={self.max_concurrent_steps} is too deep for {self.schedule!r}: "
-          f"an array of its slots' barriers would hold {per_slot * self.max_concurrent_steps}, "
+          f"an array of its slots' barriers would hold {per_array}, "
           f"and Mosaic GPU allows {MAX_BARRIERS_PER_ARRAY}, so at most "
-          f"{MAX_BARRIERS_PER_ARRAY // per_slot} slots")
+          f"{MAX_BARRIERS_PER_ARRAY // self.slot_barrier_sets} slots")
 
   @property
   def cta_tile_m(self) -> int:
@@ -221,10 +222,10 @@ class TuningConfig:
     return min(self.max_concurrent_steps, k // self.tile_k)
 
   @property
-  def barriers_per_slot(self) -> int:
-    """A "loaded" and a "consumed" barrier per slot, per compute warpgroup
-    under ping-pong (where both warpgroups use each slot in turn)."""
-    return 2 * (NUM_COMPUTE_WGS if self.schedule == Schedule.PINGPONG else 1)
+  def slot_barrier_sets(self) -> int:
+    """Each slot has a "loaded" and a "consumed" barrier, once per compute
+    warpgroup under ping-pong (where both warpgroups use each slot in turn)."""
+    return NUM_COMPUTE_WGS if self.schedule == Schedule.PINGPONG else 1
 
   @property
   def epilogue_slots(self) -> int:
@@ -249,7 +250,7 @@ class TuningConfig:
     # The slots' barriers; per compute warpgroup one for its bias load; with
     # delayed release, one that says a tile's slots are all free again.
     return SmemBudget(phases=(tuple(buffers),),
-                      num_barriers=(self.barriers_per_slot * slots
+                      num_barriers=(2 * self.slot_barrier_sets * slots
                                     + (NUM_COMPUTE_WGS if has_bias else 0)
                                     + (1 if delay_release else 0)))
 
@@ -266,11 +267,10 @@ def check_swizzle(config, dtype) -> None:
   """Raises if a tile row cannot be swizzled for TMA + wgmma."""
   swizzle_bytes(config.tile_k, dtype, what="lhs tile (tile_k)")
   cta_tile_n = getattr(config, "cta_tile_n", config.tile_n)
-  swizzle = swizzle_bytes(cta_tile_n, dtype, what="rhs tile (tile_n)")
+  segment = swizzle_elems(cta_tile_n, dtype, what="rhs tile (tile_n)")
   if cta_tile_n != config.tile_n:
     # Each warpgroup's wgmma reads its columns of the CTA's RHS tile, which
     # must start at a swizzled segment.
-    segment = swizzle // jnp.dtype(dtype).itemsize
     if config.tile_n % segment:
       raise ValueError(
           f"tile_n={config.tile_n} must be a multiple of {segment} when the warpgroups "

@@ -71,7 +71,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     candidates = (largest,)
     pingpong = _PINGPONG_CONFIG
     if (problem.k <= _PINGPONG_MAX_K
-        and _waves_cost(problem, pingpong.tile_m, pingpong.tile_n)
+        and _waves_cost(problem, pingpong.cta_tile_m, pingpong.cta_tile_n)
         <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, *cta(largest))
         and pingpong.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits()):
       return pingpong

@@ -77,8 +77,9 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
       out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
                      config.epi_tile_n), out_dtype, swizzled=True),
       # Warpgroup w's barriers for slot s are number w * slots + s.
-      loaded=barrier(num_barriers=NUM_COMPUTE_WGS * slots, num_arrivals=_COPIES_PER_SLOT),
-      consumed=barrier(num_barriers=NUM_COMPUTE_WGS * slots),
+      loaded=barrier(num_barriers=config.slot_barrier_sets * slots,
+                     num_arrivals=_COPIES_PER_SLOT),
+      consumed=barrier(num_barriers=config.slot_barrier_sets * slots),
   )
   if bias_gmem is not None:
     scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, tile_n), out_dtype)
