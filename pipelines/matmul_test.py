@@ -18,6 +18,7 @@ from pipelines import (
   TuningConfig,
   matmul,
   matmul_reference,
+  pallas_call_matmul,
   pingpong_matmul_sm90,
   pipelined_matmul,
   ws_matmul,
@@ -58,6 +59,13 @@ class PipelinedMatmulTest(testing.KernelTestCase):
     out = self.run_kernel(pipelined_matmul, lhs, rhs, config=config, out_dtype=out_dtype)
     self.assertEqual(out.dtype, out_dtype or jnp.float16)
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+  def test_narrow_swizzle(self):
+    """32-wide K and N tiles: both operands get the same 64-byte swizzle."""
+    config = PipelinedConfig(tile_m=64, tile_n=32, tile_k=32, max_concurrent_steps=3)
+    lhs, rhs = operands(3, 64, 128, 96, jnp.bfloat16)
+    out = self.run_kernel(pipelined_matmul, lhs, rhs, config=config, out_bytes=64 * 96 * 2)
+    self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.bfloat16)
 
   def test_real_size(self):
     if self.backend != testing.GPU:
@@ -309,6 +317,23 @@ class BadInputTest(parameterized.TestCase):
                        config=PipelinedConfig(tile_k=128))
     with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(512,\)"):
       matmul(lhs, rhs, jnp.zeros((7,), jnp.float16))
+
+  def test_operand_swizzles_must_match(self):
+    """A K tile narrower than 128 bytes would give the LHS a narrower swizzle
+    than the RHS, which Mosaic GPU rejects with an opaque layout error."""
+    lhs, rhs = jnp.zeros((256, 512), jnp.bfloat16), jnp.zeros((512, 256), jnp.bfloat16)
+    calls = [
+        functools.partial(pipelined_matmul,
+                          config=PipelinedConfig(tile_m=64, tile_n=128, tile_k=32)),
+        functools.partial(pallas_call_matmul,
+                          config=PipelinedConfig(tile_m=64, tile_n=128, tile_k=32)),
+        functools.partial(ws_matmul, config=TuningConfig(tile_k=32)),
+        functools.partial(ws_matmul, config=TuningConfig(tile_k=32, schedule=Schedule.PINGPONG)),
+    ]
+    for call in calls:
+      with self.assertRaisesRegex(ValueError, "tile_k=32 gives bfloat16 LHS tiles a 64-byte "
+                                  "swizzle.*use tile_k=64"):
+        call(lhs, rhs)
 
 
 if __name__ == "__main__":
