@@ -9,7 +9,7 @@ from absl.testing import absltest, parameterized
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import core
-from core import compiler, device, interpret, memory, quickstart, smem_budget, testing
+from core import compiler, device, interpret, memory, quickstart, smem_budget, testing, timing
 from core.numerics import relative_error
 
 
@@ -163,6 +163,29 @@ class NumericsTest(absltest.TestCase):
     self.assertEqual(relative_error(ref.at[0].set(jnp.nan), ref), float("inf"))
     with self.assertRaisesRegex(ValueError, "shape mismatch"):
       relative_error(ref[:2], ref)
+
+
+class CompareRoundsTest(absltest.TestCase):
+
+  def timings(self, *medians_us):
+    return [timing.Timing(name="f", config="", compile_s=0.0, times_us=(t - 1, t, t + 5),
+                          flops=2 * 10**9) for t in medians_us]
+
+  def test_ratios_pair_rounds(self):
+    # Both slow down in round 2, the kernel more in round 3: pairing rounds
+    # gives 1.25, 1.0 and 0.8 (median 1.0), where the ratio of the overall
+    # medians, 100 / 120, would call the kernel 17% slower.
+    summary = timing.compare_rounds(self.timings(80, 120, 125), self.timings(100, 120, 100))
+    self.assertEqual(summary["median_us"], 120)
+    self.assertAlmostEqual(summary["tflops"], 2e9 / 120e-6 / 1e12)
+    self.assertAlmostEqual(summary["ratio"], 1.0)
+    self.assertAlmostEqual(summary["ratio_min"], 0.8)
+    self.assertAlmostEqual(summary["ratio_max"], 1.25)
+    self.assertEqual(summary["round_median_us"], [80, 120, 125])
+
+  def test_round_counts_must_match(self):
+    with self.assertRaisesRegex(ValueError, "same number"):
+      timing.compare_rounds(self.timings(1, 2), self.timings(1))
 
 
 if __name__ == "__main__":

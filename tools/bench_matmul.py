@@ -6,8 +6,13 @@ For each shape and dtype it times, on random normal data, our pipelined
 kernel, our warp-specialized kernel (`pipelines.matmul`, tuning cache or
 heuristic), `jnp.dot` and JAX's shipped `hopper_matmul_mgpu`, each as the
 median of many CUPTI-timed runs after warm-up, and reports TFLOP/s and the
-ratio to `jnp.dot` from the same run. `--ws_config` adds rows for given
-warp-specialized configs, e.g.
+ratio to `jnp.dot` from the same run. The kernels take turns for `--rounds`
+rounds: the clock of a GPU under sustained load drifts by several percent
+within a minute, so each round's ratio compares runs seconds apart, and the
+reported ratio is the median of the rounds' ratios (with their range).
+`--sustain_s` adds the SM clock and power each kernel runs at over seconds of
+back-to-back calls (`timing.sustained_run`).
+`--ws_config` adds rows for given warp-specialized configs, e.g.
 
     --ws_config=schedule=PINGPONG,tile_m=128,tile_n=128,max_concurrent_steps=3
 
@@ -35,7 +40,11 @@ SUITE = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192
 _SHAPES = flags.DEFINE_list("shapes", [f"{m}x{k}x{n}" for m, k, n in SUITE],
                             "Problems as MxKxN.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float16", "bfloat16"], "Operand dtypes.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per kernel.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per kernel and round.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds in which the kernels take turns.")
+_SUSTAIN_S = flags.DEFINE_float(
+    "sustain_s", 0.0, "Also run each kernel back to back for this many seconds, sampling "
+    "the SM clock and power with nvidia-smi (0: skip).")
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"), "Where results go.")
 _PEER = flags.DEFINE_bool("peer", True, "Also time JAX's hopper_matmul_mgpu.")
 _PIPELINED = flags.DEFINE_multi_string(
@@ -74,22 +83,32 @@ def bench_problem(m: int, k: int, n: int, dtype) -> list[dict]:
     impls[name] = functools.partial(pipelined_matmul, config=config)
   if _PEER.value:
     impls["jax hopper_matmul_mgpu"] = _peer_matmul()
-  records = []
-  for name, fn in impls.items():
-    try:
-      t, out = timing.time_gpu(name, fn, (lhs, rhs), flops=flops, iterations=_ITERATIONS.value)
-    except Exception as e:  # Report a kernel that fails; keep benchmarking the others.
-      records.append(dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300]))
-      continue
-    err = relative_error(out, reference)
-    records.append(dict(t.as_dict(), kernel=name, rel_error=err,
-                        correct=err <= RELATIVE_TOLERANCE[jnp.dtype(dtype)]))
-  baseline = next(r["median_us"] for r in records if r["kernel"] == "jnp.dot")
-  for r in records:
-    r.update(shape=f"{m}x{k}x{n}", dtype=jnp.dtype(dtype).name)
-    if "median_us" in r:
-      r["ratio_to_dot"] = baseline / r["median_us"]
-  return records
+  timings = {name: [] for name in impls}
+  records = {}
+  for _ in range(_ROUNDS.value):
+    for name, fn in impls.items():
+      if name in records and "error" in records[name]:
+        continue
+      try:
+        t, out = timing.time_gpu(name, fn, (lhs, rhs), flops=flops,
+                                 iterations=_ITERATIONS.value)
+      except Exception as e:  # Report a kernel that fails; keep benchmarking the others.
+        records[name] = dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300])
+        continue
+      timings[name].append(t)
+      if name not in records:
+        err = relative_error(out, reference)
+        records[name] = dict(kernel=name, compile_s=t.compile_s, rel_error=err,
+                             correct=err <= RELATIVE_TOLERANCE[jnp.dtype(dtype)])
+  for name, record in records.items():
+    record.update(shape=f"{m}x{k}x{n}", dtype=jnp.dtype(dtype).name)
+    if "error" not in record:
+      summary = timing.compare_rounds(timings[name], timings["jnp.dot"])
+      record.update(summary, ratio_to_dot=summary.pop("ratio"))
+      if _SUSTAIN_S.value:
+        record.update(timing.sustained_run(impls[name], (lhs, rhs), flops=flops,
+                                           seconds=_SUSTAIN_S.value))
+  return list(records.values())
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -125,8 +144,11 @@ def main(argv):
     m, k, n = cli.parse_shape(shape)
     for dtype in _DTYPES.value:
       records += bench_problem(m, k, n, jnp.dtype(dtype))
-  report.print_table(records, ["shape", "dtype", "kernel", "median_us", "tflops",
-                               "ratio_to_dot", "rel_error", "error"])
+  columns = ["shape", "dtype", "kernel", "median_us", "tflops", "ratio_to_dot", "ratio_min",
+             "ratio_max", "rel_error", "error"]
+  if _SUSTAIN_S.value:
+    columns[-2:-2] = ["wallclock_tflops", "sm_clock_mhz", "power_w", "clock_event_reasons"]
+  report.print_table(records, columns)
   for kernel in sorted({r["kernel"] for r in records}):
     ratios = [r["ratio_to_dot"] for r in records if r["kernel"] == kernel and "ratio_to_dot" in r]
     if ratios:
