@@ -37,11 +37,6 @@ class Timing:
   def tflops(self) -> float:
     return self.flops / (self.median_us * 1e-6) / 1e12
 
-  def as_dict(self) -> dict:
-    d = dataclasses.asdict(self)
-    d.update(median_us=self.median_us, tflops=self.tflops)
-    return d
-
 
 def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str = "",
              iterations: int = DEFAULT_ITERATIONS, num_devices: int = 1
