@@ -264,19 +264,19 @@ def check_operand_dtype(name: str, dtype) -> jnp.dtype:
 
 def check_swizzle(config, dtype) -> None:
   """Raises if the operand tiles cannot be swizzled for TMA + wgmma."""
+  itemsize = jnp.dtype(dtype).itemsize
   lhs_swizzle = swizzle_bytes(config.tile_k, dtype, what="lhs tile (tile_k)")
   cta_tile_n = getattr(config, "cta_tile_n", config.tile_n)
   rhs_swizzle = swizzle_bytes(cta_tile_n, dtype, what="rhs tile (tile_n)")
   if lhs_swizzle != rhs_swizzle:
     # Mosaic GPU's wgmma reads both SMEM operands with one swizzle; otherwise
     # its layout inference fails with no hint of the cause.
-    itemsize = jnp.dtype(dtype).itemsize
     raise ValueError(
         f"tile_k={config.tile_k} gives {jnp.dtype(dtype).name} LHS tiles a {lhs_swizzle}-byte "
         f"swizzle but the {cta_tile_n}-wide RHS tile gets {rhs_swizzle} bytes; wgmma needs "
         f"one swizzle for both: use tile_k={rhs_swizzle // itemsize}, or a tile_n that is a "
         f"multiple of {lhs_swizzle // itemsize}")
-  segment = rhs_swizzle // jnp.dtype(dtype).itemsize
+  segment = rhs_swizzle // itemsize
   if cta_tile_n != config.tile_n:
     # Each warpgroup's wgmma reads its columns of the CTA's RHS tile, which
     # must start at a swizzled segment.

@@ -17,6 +17,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from core import barrier, smem
+from pipelines.config import NUM_COMPUTE_WGS
+
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -49,6 +52,22 @@ class Epilogue:
       case "silu":
         return x / (1.0 + jnp.exp(-x))
     return x
+
+
+def epilogue_scratch(config, out_dtype, *, has_bias: bool) -> dict:
+  """The SMEM `store_epilogue` uses, for `pl.run_scoped(**...)` in a kernel.
+
+  `out_smem`: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) staging
+  tiles of `out_dtype`, swizzled; with `has_bias` also `bias_smem`
+  (2, tile_n) and `bias_loaded`, one barrier per compute warpgroup for the
+  copy of its tile's bias into `bias_smem`.
+  """
+  scratch = dict(out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
+                                config.epi_tile_n), out_dtype, swizzled=True))
+  if has_bias:
+    scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), out_dtype)
+    scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
+  return scratch
 
 
 def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue) -> None:

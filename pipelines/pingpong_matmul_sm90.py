@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import accumulator, barrier, smem
 from pipelines.config import NUM_COMPUTE_WGS, TuningConfig
-from pipelines.epilogue import Epilogue, store_epilogue
+from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
 
 # The copies that arrive on a slot's "loaded" barrier: the LHS and RHS tiles.
 _COPIES_PER_SLOT = 2
@@ -74,16 +74,12 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
   scratch = dict(
       lhs_smem=smem((slots, tile_m, tile_k), dtype, swizzled=True),
       rhs_smem=smem((slots, tile_k, tile_n), dtype, swizzled=True),
-      out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
-                     config.epi_tile_n), out_dtype, swizzled=True),
       # Warpgroup w's barriers for slot s are number w * slots + s.
       loaded=barrier(num_barriers=config.slot_barrier_sets * slots,
                      num_arrivals=_COPIES_PER_SLOT),
       consumed=barrier(num_barriers=config.slot_barrier_sets * slots),
+      **epilogue_scratch(config, out_dtype, has_bias=bias_gmem is not None),
   )
-  if bias_gmem is not None:
-    scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, tile_n), out_dtype)
-    scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
 
   def tile_loop(body):
     """Runs `body(owner, first_position, m_tile, n_tile)` for each of this block's tiles.

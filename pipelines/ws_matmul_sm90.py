@@ -35,7 +35,6 @@ from core import (
     compiler_params,
     device_facts,
     interpret_params,
-    smem,
     tile_transforms,
 )
 from core.memory import swizzle_elems
@@ -47,7 +46,7 @@ from pipelines.config import (
     TuningConfig,
     check_swizzle,
 )
-from pipelines.epilogue import Epilogue, store_epilogue
+from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul
 
 SM_AXIS = "sm"
@@ -87,9 +86,7 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
-  epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
   m_tiles, n_tiles, k_steps = pl.cdiv(m, cta_m), pl.cdiv(n, cta_n), k // tile_k
-  slots = config.epilogue_slots
 
   def make_pipeline(step, compute_context):
     def spec(block_shape, index_map, minor):
@@ -114,7 +111,7 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   # output tile and no scoped allocation (a block-wide sync) sits in the loop.
   scratch = dict(
       pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem),
-      out_smem=smem((NUM_COMPUTE_WGS, slots, epi_m, epi_n), out_dtype, swizzled=True),
+      **epilogue_scratch(config, out_dtype, has_bias=bias_gmem is not None),
   )
   if delay_release:
     # The pipeline never waits for the release of a tile's last
@@ -122,12 +119,9 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
     # for the next tile while a wgmma or a callback's copy still reads them.
     # The compute warpgroups arrive here once they are done with every slot.
     scratch["tile_drained"] = barrier(num_arrivals=NUM_COMPUTE_WGS)
-  if bias_gmem is not None:
-    scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, tile_n), out_dtype)
-    scratch["bias_barrier"] = barrier(num_barriers=NUM_COMPUTE_WGS)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
-  def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_barrier=None):
+  def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None):
     wg = lax.axis_index(WG_AXIS)
 
     @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes=SM_AXIS)
@@ -156,7 +150,7 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
         if bias_gmem is not None:
           # Start the bias load now; it lands while the K loop runs.
           plgpu.copy_gmem_to_smem(bias_gmem.at[cta_n_slice].at[wg_n_slice],
-                                  bias_smem.at[wg], bias_barrier.at[wg])
+                                  bias_smem.at[wg], bias_loaded.at[wg])
 
         @functools.partial(pl.run_scoped, acc_ref=accumulator((tile_m, tile_n)))
         def _acc_scope(acc_ref):
@@ -166,7 +160,7 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The callback's copies.
             plgpu.barrier_arrive(tile_drained)
           if bias_gmem is not None:
-            plgpu.barrier_wait(bias_barrier.at[wg])
+            plgpu.barrier_wait(bias_loaded.at[wg])
           store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
 
       make_pipeline(mma_step, compute_context)(
