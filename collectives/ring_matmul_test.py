@@ -178,6 +178,8 @@ class LoweringAndValidationTest(parameterized.TestCase):
         # The ring forwards LHS tiles from the cooperative pipeline's slots.
         ((128, 64, 64), dataclasses.replace(SMALL, schedule=Schedule.PINGPONG),
          "needs schedule=Schedule.COOPERATIVE"),
+        # It forwards each tile's whole K loop, which a split K would share out.
+        ((128, 128, 64), dataclasses.replace(SMALL, k_splits=2), "needs k_splits=1, not 2"),
     ]
     for (m_shard, k, n_shard), config, message in cases:
       mesh, args = ring_spec(1, m_shard, k, n_shard)

@@ -166,6 +166,12 @@ class TuningConfig:
     wg_dimension: the dimension the two compute warpgroups split (cooperative
       schedule only).
     schedule: see `Schedule`.
+    k_splits: blocks that share each output tile's K loop (cooperative
+      schedule only). With more than one, each computes an equal range of
+      the K steps and stores a float32 partial tile; XLA then sums the
+      partials and applies the bias and activation in one pass over
+      k_splits * M * N * 4 bytes. Worth it where the output has too few
+      tiles to occupy the SMs and K is long (e.g. M = 512, N = 1024).
   """
 
   tile_m: int = 128
@@ -178,10 +184,16 @@ class TuningConfig:
   grid_tile_width: int = 8
   wg_dimension: MatmulDimension = MatmulDimension.N
   schedule: Schedule = Schedule.COOPERATIVE
+  k_splits: int = 1
 
   def __post_init__(self):
     _check_tiles(self.tile_m, self.tile_n, self.tile_k)
     PipelineOptions(max_concurrent_steps=self.max_concurrent_steps, delay_release=0)
+    if not isinstance(self.k_splits, int) or self.k_splits < 1:
+      raise ValueError(f"k_splits={self.k_splits!r} must be an int >= 1")
+    if self.k_splits > 1 and self.schedule != Schedule.COOPERATIVE:
+      raise ValueError(f"k_splits={self.k_splits} needs schedule=Schedule.COOPERATIVE, "
+                       f"not {self.schedule!r}")
     _check_positive_multiple("epi_tile_m", self.epi_tile_m, WGMMA_M)
     _check_positive_multiple("epi_tile_n", self.epi_tile_n, WGMMA_N_MULTIPLE)
     if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
@@ -218,7 +230,17 @@ class TuningConfig:
     """SMEM slots per operand for K = `k` (see `max_concurrent_steps`)."""
     if self.schedule == Schedule.PINGPONG:
       return self.max_concurrent_steps
-    return min(self.max_concurrent_steps, k // self.tile_k)
+    return min(self.max_concurrent_steps, k // self.tile_k // self.k_splits)
+
+  def store_dtype(self, out_dtype) -> jnp.dtype:
+    """What the kernel stores: `out_dtype`, or float32 partials when K is split."""
+    return jnp.dtype(jnp.float32 if self.k_splits > 1 else out_dtype)
+
+  @property
+  def fuses_epilogue(self) -> bool:
+    """Whether bias and activation run in the kernel (else in XLA, after the
+    partials of a split K are summed)."""
+    return self.k_splits == 1
 
   @property
   def slot_barrier_sets(self) -> int:
@@ -235,13 +257,15 @@ class TuningConfig:
                   delay_release: int = 0) -> SmemBudget:
     """SMEM this config allocates for K = `k` (all of it alive at once)."""
     slots = self.operand_slots(k)
+    has_bias = has_bias and self.fuses_epilogue
     buffers = [
         SmemBuffer(name="lhs_smem", shape=(self.cta_tile_m, self.tile_k), dtype=dtype,
                    copies=slots),
         SmemBuffer(name="rhs_smem", shape=(self.tile_k, self.cta_tile_n), dtype=dtype,
                    copies=slots),
         SmemBuffer(name="out_smem", shape=(self.epi_tile_m, self.epi_tile_n),
-                   dtype=out_dtype, copies=NUM_COMPUTE_WGS * self.epilogue_slots),
+                   dtype=self.store_dtype(out_dtype),
+                   copies=NUM_COMPUTE_WGS * self.epilogue_slots),
     ]
     if has_bias:
       buffers.append(SmemBuffer(name="bias_smem", shape=(self.tile_n,), dtype=out_dtype,

@@ -122,6 +122,26 @@ class WarpSpecializedMatmulTest(testing.KernelTestCase):
     self.assertEqual(out.shape, (m, n))
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
+  @parameterized.parameters(
+      # (blocks, M x K x N, k_splits, epilogue, out dtype): 2 splits of 2 K
+      # steps; 4 splits of one step each, 8 work items on 3 blocks; ragged
+      # M and N with the bias and activation applied after the sum.
+      (4, (128, 256, 128), 2, Epilogue(), jnp.bfloat16),
+      (3, (128, 256, 256), 4, Epilogue(activation="silu", has_bias=True), jnp.float32),
+      (4, (136, 128, 200), 2, Epilogue(activation="relu", has_bias=True), jnp.bfloat16),
+  )
+  def test_split_k(self, num_blocks, shape, k_splits, epilogue, out_dtype):
+    m, k, n = shape
+    config = dataclasses.replace(SMALL_WS, k_splits=k_splits)
+    lhs, rhs = operands(21, m, k, n, jnp.bfloat16)
+    bias = testing.random_array(22, (n,), jnp.bfloat16) if epilogue.has_bias else None
+    with with_blocks(num_blocks):
+      out = self.run_kernel(ws_matmul, lhs, rhs, bias, config=config, epilogue=epilogue,
+                            out_dtype=out_dtype, out_bytes=k_splits * m * n * 4)
+    self.assertEqual((out.shape, out.dtype), ((m, n), out_dtype))
+    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue),
+                      dtype=jnp.bfloat16)
+
   def test_real_sizes_and_epilogues(self):
     if self.backend != testing.GPU:
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
@@ -317,6 +337,14 @@ class BadInputTest(parameterized.TestCase):
                        config=PipelinedConfig(tile_k=128))
     with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(512,\)"):
       matmul(lhs, rhs, jnp.zeros((7,), jnp.float16))
+    with self.assertRaisesRegex(ValueError, "k_splits=0 must be an int >= 1"):
+      TuningConfig(k_splits=0)
+    with self.assertRaisesRegex(ValueError, "k_splits=2 needs schedule=Schedule.COOPERATIVE"):
+      TuningConfig(k_splits=2, schedule=Schedule.PINGPONG)
+    with self.assertRaisesRegex(ValueError, r"k_splits=3 must divide the K steps of a tile: "
+                                            r"K / tile_k = 4096 / 64 = 64"):
+      ws_matmul(lhs, rhs, config=TuningConfig(k_splits=3))
+
 
   def test_operand_swizzles_must_match(self):
     """A K tile narrower than 128 bytes would give the LHS a narrower swizzle

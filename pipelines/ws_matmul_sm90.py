@@ -11,6 +11,11 @@ The epilogue applies the fused bias/activation in float32, casts, and stores
 through double-buffered (epi_tile_m, epi_tile_n) SMEM tiles with TMA, so the
 store of one sub-tile overlaps the conversion of the next.
 
+With `config.k_splits` > 1 (split-K, for outputs with too few tiles to
+occupy the SMs), the blocks loop over (K range, output tile) pairs and store
+float32 partial tiles; `ws_matmul` sums them, with the bias and activation,
+in one XLA fusion.
+
 `emit_ws_matmul` is the kernel body as a building block: other kernels (the
 collective matmul) call it inside their own `plgpu.kernel` and hook into the
 pipeline with `pipeline_callback` and `delay_release`. `ws_matmul` runs
@@ -25,6 +30,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -68,10 +74,15 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   Must be called from a `plgpu.kernel` with grid axis `SM_AXIS` and three
   threads on axis `WG_AXIS`. All shapes are static; M and N may be ragged
   (TMA masks the edge tiles) but M must be a multiple of 8 and N of the
-  swizzle width (`operands.pad_for_tma`); K a multiple of `config.tile_k`.
+  swizzle width (`operands.pad_for_tma`); K a multiple of `config.tile_k`
+  times `config.k_splits`.
 
   Args:
-    lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref; out_gmem: (M, N) ref.
+    lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref.
+    out_gmem: (M, N) ref; with `config.k_splits` > 1, a (k_splits, M, N)
+      float32 ref that receives each K range's partial product (the
+      epilogue must then be the identity and `bias_gmem` None: the caller
+      applies them to the sum).
     bias_gmem: (N,) ref of the output dtype, or None.
     config: a `TuningConfig` with the cooperative schedule (`ws_matmul` runs
       the ping-pong one, which has no `pipeline_callback`).
@@ -81,12 +92,19 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_ws_matmul runs the cooperative schedule; got {config.schedule!r}")
+  k_splits = config.k_splits
+  if k_splits > 1 and (bias_gmem is not None or epilogue != Epilogue()
+                       or pipeline_callback is not None):
+    raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation "
+                     "and pipeline_callback belong to the caller")
   m, k = lhs_gmem.shape
   n = rhs_gmem.shape[1]
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
-  m_tiles, n_tiles, k_steps = pl.cdiv(m, cta_m), pl.cdiv(n, cta_n), k // tile_k
+  m_tiles, n_tiles = pl.cdiv(m, cta_m), pl.cdiv(n, cta_n)
+  split_k = k // k_splits  # The K range of one block's share of a tile.
+  k_steps = split_k // tile_k
 
   def make_pipeline(step, compute_context):
     def spec(block_shape, index_map, minor):
@@ -124,18 +142,23 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None):
     wg = lax.axis_index(WG_AXIS)
 
-    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes=SM_AXIS)
+    # With a split K, the work items are (K range, output tile) pairs; the
+    # K range varies slowest, so concurrent blocks share operand panels in L2.
+    @plgpu.nd_loop((k_splits * m_tiles * n_tiles,), collective_axes=SM_AXIS)
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (linear,) = loop_info.index
-      m_tile, n_tile = plgpu.planar_snake(linear, (m_tiles, n_tiles), config.grid_minor_dim,
+      split, tile = divmod(linear, m_tiles * n_tiles) if k_splits > 1 else (0, linear)
+      m_tile, n_tile = plgpu.planar_snake(tile, (m_tiles, n_tiles), config.grid_minor_dim,
                                           config.grid_tile_width)
       cta_m_slice = pl.ds(m_tile * cta_m, cta_m)
       cta_n_slice = pl.ds(n_tile * cta_n, cta_n)
+      k_slice = pl.ds(split * split_k, split_k)
       if config.wg_dimension == MatmulDimension.M:
         wg_m_slice, wg_n_slice = pl.ds(wg * tile_m, tile_m), slice(None)
       else:
         wg_m_slice, wg_n_slice = slice(None), pl.ds(wg * tile_n, tile_n)
-      wg_out = out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
+      split_out = out_gmem.at[split] if k_splits > 1 else out_gmem
+      wg_out = split_out.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
 
       def mma_step(indices, lhs_smem, rhs_smem, acc_ref):
         plgpu.wgmma(acc_ref, lhs_smem.at[wg_m_slice], rhs_smem.at[:, wg_n_slice])
@@ -164,7 +187,7 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
           store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
 
       make_pipeline(mma_step, compute_context)(
-          lhs_gmem.at[cta_m_slice, :], rhs_gmem.at[:, cta_n_slice],
+          lhs_gmem.at[cta_m_slice, k_slice], rhs_gmem.at[k_slice, cta_n_slice],
           allocations=pipeline_allocs)
       if tile_drained is not None:
         @pl.when(wg == NUM_COMPUTE_WGS)  # The memory warpgroup.
@@ -181,9 +204,15 @@ def check_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtyp
   """Checks `config` against the problem and the SMEM budget; returns the K steps."""
   k_steps = operands.check_k_tiles(problem, config.tile_k)
   check_swizzle(config, problem.dtype)
+  if k_steps % config.k_splits:
+    raise ValueError(f"k_splits={config.k_splits} must divide the K steps of a tile: "
+                     f"K / tile_k = {problem.k} / {config.tile_k} = {k_steps}")
   if delay_release and config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"delay_release={delay_release} (a pipeline_callback's hold on its "
                      f"slots) needs schedule=Schedule.COOPERATIVE, not {config.schedule!r}")
+  if delay_release and config.k_splits > 1:
+    raise ValueError(f"delay_release={delay_release} (a pipeline_callback's hold on its "
+                     f"slots) needs k_splits=1, not {config.k_splits}")
   if not 0 <= delay_release < config.max_concurrent_steps:
     raise ValueError(f"delay_release={delay_release} must be in [0, max_concurrent_steps="
                      f"{config.max_concurrent_steps})")
@@ -200,8 +229,10 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   Args:
     lhs: (M, K) float16 or bfloat16; rhs: (K, N) of the same dtype.
     bias: (N,) or None; cast to the output dtype.
-    config: tiles, pipeline depth, tile order and schedule (see `TuningConfig`).
-    epilogue: fused activation; `epilogue.has_bias` must match `bias`.
+    config: tiles, pipeline depth, tile order, schedule and split of K (see
+      `TuningConfig`).
+    epilogue: activation; `epilogue.has_bias` must match `bias`. Fused into the
+      kernel, or with `config.k_splits` > 1 into the XLA sum of the partials.
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
 
   Returns:
@@ -217,30 +248,40 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       raise ValueError(f"bias must have shape (N,)=({problem.n},), got {bias.shape=}")
     bias = bias.astype(out_dtype)
   check_config(config, problem, out_dtype, has_bias=bias is not None)
+  store_dtype = config.store_dtype(out_dtype)
   n_multiple = math.lcm(swizzle_elems(config.cta_tile_n, problem.dtype),
-                        swizzle_elems(config.epi_tile_n, out_dtype))
+                        swizzle_elems(config.epi_tile_n, store_dtype))
   lhs, rhs, bias, (m, n) = operands.pad_for_tma(lhs, rhs, bias, n_multiple=n_multiple)
   padded_m, padded_n = lhs.shape[0], rhs.shape[1]
+  kernel_bias, kernel_epilogue = (bias, epilogue) if config.fuses_epilogue else (None, Epilogue())
 
   def ws_matmul_kernel(lhs_gmem, rhs_gmem, *rest):
     *bias_gmem, out_gmem = rest
     if config.schedule == Schedule.PINGPONG:
       emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config,
-                           epilogue=epilogue, sm_axis=SM_AXIS, wg_axis=WG_AXIS,
+                           epilogue=kernel_epilogue, sm_axis=SM_AXIS, wg_axis=WG_AXIS,
                            memory_registers=MEMORY_WG_REGISTERS)
     else:
-      emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=epilogue)
+      emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config,
+                     epilogue=kernel_epilogue)
 
+  splits = (config.k_splits,) if config.k_splits > 1 else ()
   num_tiles = pl.cdiv(padded_m, config.cta_tile_m) * pl.cdiv(padded_n, config.cta_tile_n)
   kernel = plgpu.kernel(
       ws_matmul_kernel,
-      out_type=jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),
-      grid=(min(device_facts().sm_count, num_tiles),),
+      out_type=jax.ShapeDtypeStruct((*splits, padded_m, padded_n), store_dtype),
+      grid=(min(device_facts().sm_count, num_tiles * config.k_splits),),
       grid_names=(SM_AXIS,),
       num_threads=NUM_COMPUTE_WGS + 1,
       thread_name=WG_AXIS,
       compiler_params=compiler_params(),
       interpret=interpret_params(),
   )
-  out = kernel(lhs, rhs, *(() if bias is None else (bias,)))
+  out = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)))
+  if not config.fuses_epilogue:
+    # One XLA fusion reads the partials once: sum, bias, activation, cast.
+    acc = out[:, :m, :n].sum(axis=0)
+    if bias is not None:
+      acc = acc + bias[:n].astype(jnp.float32)
+    return epilogue.apply(acc).astype(out_dtype)
   return out if out.shape == (m, n) else out[:m, :n]
