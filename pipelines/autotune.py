@@ -35,20 +35,24 @@ class SearchSpace:
   grid_tile_width: tuple[int, ...] = (4, 8, 16)
   wg_dimension: tuple[MatmulDimension, ...] = tuple(MatmulDimension)
   schedule: tuple[Schedule, ...] = tuple(Schedule)
+  # Split-K pays only where the output tiles leave SMs idle; sweep it there.
+  k_splits: tuple[int, ...] = (1,)
 
   def configs(self) -> Iterable[TuningConfig]:
     seen = set()
-    for tm, tn, tk, steps, (em, en), minor, width, wgd, schedule in itertools.product(
+    for tm, tn, tk, steps, (em, en), minor, width, wgd, schedule, splits in itertools.product(
         self.tile_m, self.tile_n, self.tile_k, self.max_concurrent_steps, self.epi_tile,
-        self.grid_minor_dim, self.grid_tile_width, self.wg_dimension, self.schedule):
+        self.grid_minor_dim, self.grid_tile_width, self.wg_dimension, self.schedule,
+        self.k_splits):
       if schedule == Schedule.PINGPONG:
         wgd = MatmulDimension.N  # No split under ping-pong: one config, not two.
       try:
         config = TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps,
                               epi_tile_m=em, epi_tile_n=en, grid_minor_dim=minor,
-                              grid_tile_width=width, wg_dimension=wgd, schedule=schedule)
+                              grid_tile_width=width, wg_dimension=wgd, schedule=schedule,
+                              k_splits=splits)
       except ValueError:
-        continue  # E.g. an epilogue tile that does not divide the tile.
+        continue  # E.g. an epilogue tile that does not divide the tile, or a split ping-pong.
       if config not in seen:
         seen.add(config)
         yield config

@@ -35,6 +35,8 @@ _MINOR = flags.DEFINE_list("minor", None, "Override the space's grid_minor_dim v
 _EPI = flags.DEFINE_list("epi_tiles", None, "Override the space's epilogue tiles, as MxN.")
 _SCHEDULES = flags.DEFINE_list("schedules", None,
                                "Override the space's schedules (COOPERATIVE, PINGPONG).")
+_K_SPLITS = flags.DEFINE_list("k_splits", None,
+                              "Override the space's k_splits values (split-K; default 1).")
 _CONFIGS = flags.DEFINE_multi_string(
     "config", [], "Sweep exactly these configs instead of a space: TuningConfig fields, e.g. "
     "schedule=PINGPONG,tile_m=128,tile_n=192; repeat the flag for each.")
@@ -56,6 +58,7 @@ def search_space() -> autotune.SearchSpace | list[TuningConfig]:
       "grid_minor_dim": _MINOR.value and tuple(autotune.MatmulDimension[v] for v in _MINOR.value),
       "epi_tile": _EPI.value and tuple(cli.parse_shape(v, 2) for v in _EPI.value),
       "schedule": _SCHEDULES.value and tuple(Schedule[v] for v in _SCHEDULES.value),
+      "k_splits": _K_SPLITS.value and ints(_K_SPLITS.value),
   }
   return dataclasses.replace(space, **{k: v for k, v in overrides.items() if v})
 
