@@ -22,9 +22,20 @@ CACHE_MISS_MODES = ("heuristic", "tune", "error")
 
 
 # Warpgroup tiles the heuristic chooses from, largest CTA tile first:
-# (tile_m, tile_n, wg_dimension) -> CTA 128x256, 128x128, 64x128.
-_HEURISTIC_TILES = ((64, 256, MatmulDimension.M), (64, 128, MatmulDimension.M),
-                    (64, 64, MatmulDimension.N))
+# (tile_m, tile_n, wg_dimension) -> CTA 128x256, 128x128, 64x128, each with
+# the relative time of one of its multiply-adds, from sweeps on an H200 at
+# equal work per SM (smaller tiles reread more operand bytes per FLOP).
+_HEURISTIC_TILES = (((64, 256, MatmulDimension.M), 1.0), ((64, 128, MatmulDimension.M), 1.1),
+                    ((64, 64, MatmulDimension.N), 1.5))
+# What splitting K costs beyond the work, in multiply-adds of one SM (about
+# 6 us on an H200): the float32 partials' stores, the XLA pass that sums
+# them, and its launch. Calibrated on 512x4096x2048 (128x128 tiles: 21.4 us
+# whole, 17.1 us in two splits); PERFORMANCE.md has the sweeps.
+_SPLIT_COST_MACS = 22e6
+# Shortest K range a split gets: below it the fill and drain of each
+# range's pipeline dominate (128x256 tiles at 512x4096x2048: 1024-long
+# ranges ran 13% slower than 128x128 tiles with 2048-long ones).
+_MIN_SPLIT_K = 2048
 # The ping-pong schedule's 128x192 tile, for problems with a short K loop,
 # where the epilogue it hides is a large share of a tile's time: on an H200 it
 # computed each output element 5-9% faster than the cooperative 128x256 tile
@@ -47,36 +58,66 @@ def _waves_cost(problem: operands.MatmulProblem, cta_m: int, cta_n: int) -> int:
   return waves * cta_m * cta_n
 
 
+def _cta_tile(tile_m: int, tile_n: int, wg_dimension: MatmulDimension) -> tuple[int, int]:
+  return (tile_m * (2 if wg_dimension == MatmulDimension.M else 1),
+          tile_n * (2 if wg_dimension == MatmulDimension.N else 1))
+
+
+def _k_splits_options(problem: operands.MatmulProblem, num_tiles: int, tile_k: int):
+  """1, and each split of K into equal whole K steps that keeps one work item
+  per SM and ranges at least `_MIN_SPLIT_K` long."""
+  k_steps = problem.k // tile_k
+  yield 1
+  for splits in range(2, k_steps + 1):
+    if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
+        and problem.k // splits >= _MIN_SPLIT_K):
+      yield splits
+
+
+def _estimated_cost(problem, cta_m, cta_n, tile_cost, splits) -> float:
+  """Multiply-adds the busiest SM does, weighted by the tile's efficiency,
+  plus the cost of summing split partials."""
+  items = _num_tiles(problem, cta_m, cta_n) * splits
+  waves = -(-items // device_facts().sm_count)
+  return (waves * cta_m * cta_n * (problem.k // splits) * tile_cost
+          + (_SPLIT_COST_MACS if splits > 1 else 0))
+
+
 def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   """A sound config without tuning.
 
   The sweeps on an H200 (PERFORMANCE.md) favour a 128x256 CTA tile made of two
   64x256 warpgroup tiles (the widest wgmma) split along M, 3-4 stages and
-  64x128 epilogue tiles. Problems with too few such tiles to fill the SMs get
-  the smaller CTA tile that keeps the fewest output elements on the busiest
-  SM (at M = 512, N = 4096 a 128x128 tile ran 1.65x faster than 128x256), and
-  fewer stages are used where SMEM is short. Problems with K <= 2048 get the
-  ping-pong schedule's 128x192 tile unless it would leave the busiest SM over
-  5% more output than 128x256 (16384x1024x8192: 6.5% faster than 128x256).
-  """
-  def cta(tiles):
-    tile_m, tile_n, wg_dimension = tiles
-    return (tile_m * (2 if wg_dimension == MatmulDimension.M else 1),
-            tile_n * (2 if wg_dimension == MatmulDimension.N else 1))
+  64x128 epilogue tiles. Problems with K <= 2048 get the ping-pong schedule's
+  128x192 tile unless it would leave the busiest SM over 5% more output than
+  128x256 (16384x1024x8192: 6.5% faster than 128x256).
 
-  largest = _HEURISTIC_TILES[0]
-  candidates = _HEURISTIC_TILES
-  if _num_tiles(problem, *cta(largest)) >= device_facts().sm_count:
+  Problems with too few 128x256 tiles to fill the SMs get the CTA tile and
+  split of K (`TuningConfig.k_splits`) with the least estimated time on the
+  busiest SM (`_estimated_cost`): at M = 512, N = 4096 that is 128x128 tiles
+  (1.65x faster than 128x256); at 512x16384x1024, 128x256 tiles with K in 8
+  ranges (2.3x faster than no split). Fewer stages are used where SMEM is
+  short.
+  """
+  (largest, _), *_ = _HEURISTIC_TILES
+  sm_count = device_facts().sm_count
+  if _num_tiles(problem, *_cta_tile(*largest)) >= sm_count:
     # At least one full wave of the largest tile: its efficiency wins.
-    candidates = (largest,)
+    tile, splits = largest, 1
     pingpong = _PINGPONG_CONFIG
     if (problem.k <= _PINGPONG_MAX_K
         and _waves_cost(problem, pingpong.cta_tile_m, pingpong.cta_tile_n)
-        <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, *cta(largest))
+        <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, *_cta_tile(*largest))
         and pingpong.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits()):
       return pingpong
-  # min() keeps the first (largest) of equal costs.
-  tile_m, tile_n, wg_dimension = min(candidates, key=lambda t: _waves_cost(problem, *cta(t)))
+  else:
+    options = [(_estimated_cost(problem, *_cta_tile(*tile), tile_cost, splits), i, tile, splits)
+               for i, (tile, tile_cost) in enumerate(_HEURISTIC_TILES)
+               for splits in _k_splits_options(
+                   problem, _num_tiles(problem, *_cta_tile(*tile)), tile_k=64)]
+    # min() keeps the first (largest tile, fewest splits) of equal costs.
+    *_, tile, splits = min(options, key=lambda option: option[:2])
+  tile_m, tile_n, wg_dimension = tile
   if problem.n <= 128:
     tile_n = min(tile_n, 128)
   # Stages hide load latency, so give up epilogue width before stages.
@@ -84,7 +125,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     config = TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
                           epi_tile_m=64, epi_tile_n=min(epi_tile_n, tile_n),
                           grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
-                          wg_dimension=wg_dimension)
+                          wg_dimension=wg_dimension, k_splits=splits)
     if config.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits():
       return config
   raise AssertionError("unreachable: two stages of 128x256 tiles always fit")

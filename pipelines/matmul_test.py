@@ -145,8 +145,10 @@ class WarpSpecializedMatmulTest(testing.KernelTestCase):
   def test_real_sizes_and_epilogues(self):
     if self.backend != testing.GPU:
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
+    # The last two take the heuristic's split K (8 and 4 ranges).
     for (m, k, n), activation in (((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu"),
-                                  ((8192, 1024, 2048), "silu"), ((1024, 2048, 1024), "relu")):
+                                  ((8192, 1024, 2048), "silu"), ((1024, 2048, 1024), "relu"),
+                                  ((512, 16384, 1024), "gelu"), ((250, 8192, 4000), "silu")):
       lhs, rhs = operands(8, m, k, n, jnp.bfloat16)
       bias = testing.random_array(9, (n,), jnp.bfloat16)
       out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation,
@@ -268,11 +270,29 @@ class MatmulApiTest(testing.KernelTestCase):
     from pipelines import default_config
     from pipelines import operands as ops
     for (m, k, n), cta in (((4096, 4096, 4096), (128, 256)), ((1024, 4096, 4096), (128, 256)),
-                           ((512, 4096, 4096), (128, 128)), ((256, 8192, 4096), (64, 128))):
+                           ((512, 4096, 4096), (128, 128)), ((2048, 4096, 1024), (128, 128))):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
       config = default_config(problem, jnp.float16)
-      self.assertEqual((config.cta_tile_m, config.cta_tile_n), cta, f"{m}x{k}x{n}")
+      self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), (*cta, 1),
+                       f"{m}x{k}x{n}")
       self.assertEqual(config.schedule, Schedule.COOPERATIVE)
+
+  def test_heuristic_splits_long_k_of_small_outputs(self):
+    """Where even small tiles leave SMs idle and K is long, K is split so
+    that (tile, K range) pairs make about one wave; each range >= 2048."""
+    from pipelines import default_config
+    from pipelines import operands as ops
+    for (m, k, n), expected in (((512, 16384, 1024), (128, 256, 8)),
+                                ((256, 8192, 4096), (128, 256, 4)),
+                                ((1024, 8192, 1024), (128, 256, 4)),
+                                ((512, 4096, 4096), (128, 128, 1)),  # 128 tiles already.
+                                ((1024, 2048, 1024), (64, 128, 1))):  # K too short to split.
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
+      for out_dtype in (jnp.bfloat16, jnp.float32):
+        config = default_config(problem, out_dtype)
+        self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), expected,
+                         f"{m}x{k}x{n}")
+        ws_matmul_sm90.check_config(config, problem, out_dtype, has_bias=True)
 
   def test_heuristic_takes_pingpong_for_short_k(self):
     """Where K is short and 128x192 tiles leave the busiest SM at most 5% more work."""
@@ -344,7 +364,6 @@ class BadInputTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, r"k_splits=3 must divide the K steps of a tile: "
                                             r"K / tile_k = 4096 / 64 = 64"):
       ws_matmul(lhs, rhs, config=TuningConfig(k_splits=3))
-
 
   def test_operand_swizzles_must_match(self):
     """A K tile narrower than 128 bytes would give the LHS a narrower swizzle
