@@ -105,15 +105,22 @@ class WarpSpecializedMatmulTest(testing.KernelTestCase):
       (2, (256, 192, 128), 2, Epilogue()),  # 3 K steps through 2 slots.
   )
   def test_several_tiles_per_block(self, num_blocks, shape, steps, epilogue):
-    m, k, n = shape
     config = dataclasses.replace(SMALL_WS, max_concurrent_steps=steps)
-    lhs, rhs = operands(19, m, k, n, jnp.bfloat16)
-    bias = testing.random_array(20, (n,), jnp.bfloat16) if epilogue.has_bias else None
+    self.check_on_blocks(num_blocks, shape, config, epilogue, seed=19)
+
+  def check_on_blocks(self, num_blocks, shape, config, epilogue, *, seed, out_dtype=None):
+    """Runs `ws_matmul` (bfloat16 operands) on a grid capped at `num_blocks`
+    and checks it against the reference; returns the output."""
+    m, k, n = shape
+    lhs, rhs = operands(seed, m, k, n, jnp.bfloat16)
+    bias = testing.random_array(seed + 2, (n,), jnp.bfloat16) if epilogue.has_bias else None
     with with_blocks(num_blocks):
+      # The poison must cover float32 partials of a split K too.
       out = self.run_kernel(ws_matmul, lhs, rhs, bias, config=config, epilogue=epilogue,
-                            out_bytes=m * n * 2)
+                            out_dtype=out_dtype, out_bytes=config.k_splits * m * n * 4)
     self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue),
                       dtype=jnp.bfloat16)
+    return out
 
   @parameterized.parameters((200, 128, 136), (64, 64, 40), (130, 192, 248))
   def test_ragged_m_and_n_are_masked(self, m, k, n):
@@ -131,16 +138,10 @@ class WarpSpecializedMatmulTest(testing.KernelTestCase):
       (4, (136, 128, 200), 2, Epilogue(activation="relu", has_bias=True), jnp.bfloat16),
   )
   def test_split_k(self, num_blocks, shape, k_splits, epilogue, out_dtype):
-    m, k, n = shape
     config = dataclasses.replace(SMALL_WS, k_splits=k_splits)
-    lhs, rhs = operands(21, m, k, n, jnp.bfloat16)
-    bias = testing.random_array(22, (n,), jnp.bfloat16) if epilogue.has_bias else None
-    with with_blocks(num_blocks):
-      out = self.run_kernel(ws_matmul, lhs, rhs, bias, config=config, epilogue=epilogue,
-                            out_dtype=out_dtype, out_bytes=k_splits * m * n * 4)
-    self.assertEqual((out.shape, out.dtype), ((m, n), out_dtype))
-    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue),
-                      dtype=jnp.bfloat16)
+    out = self.check_on_blocks(num_blocks, shape, config, epilogue, seed=21,
+                               out_dtype=out_dtype)
+    self.assertEqual((out.shape, out.dtype), (shape[::2], out_dtype))
 
   def test_real_sizes_and_epilogues(self):
     if self.backend != testing.GPU:
