@@ -23,8 +23,10 @@ CACHE_MISS_MODES = ("heuristic", "tune", "error")
 
 # Warpgroup tiles the heuristic chooses from, largest CTA tile first:
 # (tile_m, tile_n, wg_dimension) -> CTA 128x256, 128x128, 64x128, each with
-# the relative time of one of its multiply-adds, from sweeps on an H200 at
-# equal work per SM (smaller tiles reread more operand bytes per FLOP).
+# the relative time of one of its multiply-adds on an H200 (smaller tiles
+# reread more operand bytes per FLOP): 1.1 from the split-K sweeps at equal
+# work per SM; 1.5 from 256x8192x4096, where the unsplit 64x128 tile ran 14%
+# slower than 128x256 tiles in 4 splits.
 _HEURISTIC_TILES = (((64, 256, MatmulDimension.M), 1.0), ((64, 128, MatmulDimension.M), 1.1),
                     ((64, 64, MatmulDimension.N), 1.5))
 # What splitting K costs beyond the work, in multiply-adds of one SM (about
@@ -36,6 +38,7 @@ _SPLIT_COST_MACS = 22e6
 # range's pipeline dominate (128x256 tiles at 512x4096x2048: 1024-long
 # ranges ran 13% slower than 128x128 tiles with 2048-long ones).
 _MIN_SPLIT_K = 2048
+_TILE_K = 64
 # The ping-pong schedule's 128x192 tile, for problems with a short K loop,
 # where the epilogue it hides is a large share of a tile's time: on an H200 it
 # computed each output element 5-9% faster than the cooperative 128x256 tile
@@ -74,7 +77,8 @@ def _k_splits_options(problem: operands.MatmulProblem, num_tiles: int, tile_k: i
       yield splits
 
 
-def _estimated_cost(problem, cta_m, cta_n, tile_cost, splits) -> float:
+def _estimated_cost(problem: operands.MatmulProblem, cta_m: int, cta_n: int,
+                    tile_cost: float, splits: int) -> float:
   """Multiply-adds the busiest SM does, weighted by the tile's efficiency,
   plus the cost of summing split partials."""
   items = _num_tiles(problem, cta_m, cta_n) * splits
@@ -96,8 +100,8 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   split of K (`TuningConfig.k_splits`) with the least estimated time on the
   busiest SM (`_estimated_cost`): at M = 512, N = 4096 that is 128x128 tiles
   (1.65x faster than 128x256); at 512x16384x1024, 128x256 tiles with K in 8
-  ranges (2.3x faster than no split). Fewer stages are used where SMEM is
-  short.
+  ranges (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41). Fewer
+  stages are used where SMEM is short.
   """
   (largest, _), *_ = _HEURISTIC_TILES
   sm_count = device_facts().sm_count
@@ -114,7 +118,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     options = [(_estimated_cost(problem, *_cta_tile(*tile), tile_cost, splits), i, tile, splits)
                for i, (tile, tile_cost) in enumerate(_HEURISTIC_TILES)
                for splits in _k_splits_options(
-                   problem, _num_tiles(problem, *_cta_tile(*tile)), tile_k=64)]
+                   problem, _num_tiles(problem, *_cta_tile(*tile)), tile_k=_TILE_K)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
     *_, tile, splits = min(options, key=lambda option: option[:2])
   tile_m, tile_n, wg_dimension = tile
@@ -122,7 +126,8 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     tile_n = min(tile_n, 128)
   # Stages hide load latency, so give up epilogue width before stages.
   for steps, epi_tile_n in ((4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
-    config = TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=steps,
+    config = TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=_TILE_K,
+                          max_concurrent_steps=steps,
                           epi_tile_m=64, epi_tile_n=min(epi_tile_n, tile_n),
                           grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
                           wg_dimension=wg_dimension, k_splits=splits)
