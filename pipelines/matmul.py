@@ -7,6 +7,7 @@ a heuristic), and supports `jax.jit`, `jax.vmap` and use inside
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,14 +22,18 @@ from pipelines.epilogue import Epilogue
 CACHE_MISS_MODES = ("heuristic", "tune", "error")
 
 
-# Warpgroup tiles the heuristic chooses from, largest CTA tile first:
-# (tile_m, tile_n, wg_dimension) -> CTA 128x256, 128x128, 64x128, each with
-# the relative time of one of its multiply-adds on an H200 (smaller tiles
-# reread more operand bytes per FLOP): 1.1 from the split-K sweeps at equal
-# work per SM; 1.5 from 256x8192x4096, where the unsplit 64x128 tile ran 14%
-# slower than 128x256 tiles in 4 splits.
-_HEURISTIC_TILES = (((64, 256, MatmulDimension.M), 1.0), ((64, 128, MatmulDimension.M), 1.1),
-                    ((64, 64, MatmulDimension.N), 1.5))
+# The tiles the heuristic chooses from, largest CTA tile first: two 64x256,
+# 64x128 or 64x64 warpgroup tiles make CTA tiles of 128x256, 128x128 and
+# 64x128. Each comes with the relative time of one of its multiply-adds on an
+# H200 (smaller tiles reread more operand bytes per FLOP): 1.1 from the
+# split-K sweeps at equal work per SM; 1.5 from 256x8192x4096, where the
+# unsplit 64x128 tile ran 14% slower than 128x256 tiles in 4 splits. Stages,
+# epilogue tiles and splits are filled in by `default_config`.
+_HEURISTIC_TILES = (
+    (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.M), 1.0),
+    (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M), 1.1),
+    (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N), 1.5),
+)
 # What splitting K costs beyond the work, in multiply-adds of one SM (about
 # 6 us on an H200): the float32 partials' stores, the XLA pass that sums
 # them, and its launch. Calibrated on 512x4096x2048 (128x128 tiles: 21.4 us
@@ -38,7 +43,6 @@ _SPLIT_COST_MACS = 22e6
 # range's pipeline dominate (128x256 tiles at 512x4096x2048: 1024-long
 # ranges ran 13% slower than 128x128 tiles with 2048-long ones).
 _MIN_SPLIT_K = 2048
-_TILE_K = 64
 # The ping-pong schedule's 128x192 tile, for problems with a short K loop,
 # where the epilogue it hides is a large share of a tile's time: on an H200 it
 # computed each output element 5-9% faster than the cooperative 128x256 tile
@@ -51,25 +55,21 @@ _PINGPONG_MAX_K = 2048
 _PINGPONG_MAX_EXTRA_WORK = 1.05
 
 
-def _num_tiles(problem: operands.MatmulProblem, cta_m: int, cta_n: int) -> int:
-  return -(-problem.m // cta_m) * -(-problem.n // cta_n)
+def _num_tiles(problem: operands.MatmulProblem, config: TuningConfig) -> int:
+  return -(-problem.m // config.cta_tile_m) * -(-problem.n // config.cta_tile_n)
 
 
-def _waves_cost(problem: operands.MatmulProblem, cta_m: int, cta_n: int) -> int:
+def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig) -> int:
   """Output elements the busiest SM computes: a proxy for the time."""
-  waves = -(-_num_tiles(problem, cta_m, cta_n) // device_facts().sm_count)
-  return waves * cta_m * cta_n
+  waves = -(-_num_tiles(problem, config) // device_facts().sm_count)
+  return waves * config.cta_tile_m * config.cta_tile_n
 
 
-def _cta_tile(tile_m: int, tile_n: int, wg_dimension: MatmulDimension) -> tuple[int, int]:
-  return (tile_m * (2 if wg_dimension == MatmulDimension.M else 1),
-          tile_n * (2 if wg_dimension == MatmulDimension.N else 1))
-
-
-def _k_splits_options(problem: operands.MatmulProblem, num_tiles: int, tile_k: int):
+def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
   """1, and each split of K into equal whole K steps that keeps one work item
   per SM and ranges at least `_MIN_SPLIT_K` long."""
-  k_steps = problem.k // tile_k
+  k_steps = problem.k // config.tile_k
+  num_tiles = _num_tiles(problem, config)
   yield 1
   for splits in range(2, k_steps + 1):
     if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
@@ -77,13 +77,12 @@ def _k_splits_options(problem: operands.MatmulProblem, num_tiles: int, tile_k: i
       yield splits
 
 
-def _estimated_cost(problem: operands.MatmulProblem, cta_m: int, cta_n: int,
-                    tile_cost: float, splits: int) -> float:
+def _estimated_cost(problem: operands.MatmulProblem, config: TuningConfig, tile_cost: float,
+                    splits: int) -> float:
   """Multiply-adds the busiest SM does, weighted by the tile's efficiency,
   plus the cost of summing split partials."""
-  items = _num_tiles(problem, cta_m, cta_n) * splits
-  waves = -(-items // device_facts().sm_count)
-  return (waves * cta_m * cta_n * (problem.k // splits) * tile_cost
+  waves = -(-_num_tiles(problem, config) * splits // device_facts().sm_count)
+  return (waves * config.cta_tile_m * config.cta_tile_n * (problem.k // splits) * tile_cost
           + (_SPLIT_COST_MACS if splits > 1 else 0))
 
 
@@ -104,33 +103,27 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   stages are used where SMEM is short.
   """
   (largest, _), *_ = _HEURISTIC_TILES
-  sm_count = device_facts().sm_count
-  if _num_tiles(problem, *_cta_tile(*largest)) >= sm_count:
+  if _num_tiles(problem, largest) >= device_facts().sm_count:
     # At least one full wave of the largest tile: its efficiency wins.
-    tile, splits = largest, 1
+    tiles, splits = largest, 1
     pingpong = _PINGPONG_CONFIG
     if (problem.k <= _PINGPONG_MAX_K
-        and _waves_cost(problem, pingpong.cta_tile_m, pingpong.cta_tile_n)
-        <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, *_cta_tile(*largest))
+        and _waves_cost(problem, pingpong)
+        <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, largest)
         and pingpong.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits()):
       return pingpong
   else:
-    options = [(_estimated_cost(problem, *_cta_tile(*tile), tile_cost, splits), i, tile, splits)
-               for i, (tile, tile_cost) in enumerate(_HEURISTIC_TILES)
-               for splits in _k_splits_options(
-                   problem, _num_tiles(problem, *_cta_tile(*tile)), tile_k=_TILE_K)]
+    options = [(_estimated_cost(problem, tiles, tile_cost, splits), i, tiles, splits)
+               for i, (tiles, tile_cost) in enumerate(_HEURISTIC_TILES)
+               for splits in _k_splits_options(problem, tiles)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
-    *_, tile, splits = min(options, key=lambda option: option[:2])
-  tile_m, tile_n, wg_dimension = tile
+    *_, tiles, splits = min(options, key=lambda option: option[:2])
   if problem.n <= 128:
-    tile_n = min(tile_n, 128)
+    tiles = dataclasses.replace(tiles, tile_n=min(tiles.tile_n, 128))
   # Stages hide load latency, so give up epilogue width before stages.
   for steps, epi_tile_n in ((4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
-    config = TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=_TILE_K,
-                          max_concurrent_steps=steps,
-                          epi_tile_m=64, epi_tile_n=min(epi_tile_n, tile_n),
-                          grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
-                          wg_dimension=wg_dimension, k_splits=splits)
+    config = dataclasses.replace(tiles, max_concurrent_steps=steps,
+                                 epi_tile_n=min(epi_tile_n, tiles.tile_n), k_splits=splits)
     if config.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits():
       return config
   raise AssertionError("unreachable: two stages of 128x256 tiles always fit")
