@@ -53,6 +53,16 @@ class Epilogue:
         return x / (1.0 + jnp.exp(-x))
     return x
 
+  def apply_to_sum(self, acc: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """Bias, then the activation, on a float32 (M, N) sum outside a kernel.
+
+    Args:
+      acc: (M, N) float32; bias: (N,) of any float dtype, or None.
+    """
+    if bias is not None:
+      acc = acc + bias.astype(jnp.float32)
+    return self.apply(acc)
+
 
 def epilogue_scratch(config, out_dtype, *, has_bias: bool) -> dict:
   """The SMEM `store_epilogue` uses, for `pl.run_scoped(**...)` in a kernel.

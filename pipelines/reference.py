@@ -18,6 +18,4 @@ def matmul_reference(lhs, rhs, bias=None, *, epilogue: Epilogue = Epilogue(),
   """
   acc = jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
                 precision=jax.lax.Precision.HIGHEST)
-  if bias is not None:
-    acc = acc + bias.astype(jnp.float32)
-  return epilogue.apply(acc).astype(out_dtype or jnp.float32)
+  return epilogue.apply_to_sum(acc, bias).astype(out_dtype or jnp.float32)

@@ -30,7 +30,6 @@ import math
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -280,8 +279,6 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   out = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)))
   if not config.fuses_epilogue:
     # One XLA fusion reads the partials once: sum, bias, activation, cast.
-    acc = out[:, :m, :n].sum(axis=0)
-    if bias is not None:
-      acc = acc + bias[:n].astype(jnp.float32)
-    return epilogue.apply(acc).astype(out_dtype)
+    return epilogue.apply_to_sum(out[:, :m, :n].sum(axis=0),
+                                 None if bias is None else bias[:n]).astype(out_dtype)
   return out if out.shape == (m, n) else out[:m, :n]
