@@ -19,8 +19,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import collectives
 from collectives import ring_matmul_sm90, sharding, topology
 from core import interpret, interpret_params, testing
-from pipelines import MatmulDimension, Schedule, TuningConfig, emit_ws_matmul, matmul_reference
+from pipelines import (
+  MatmulDimension,
+  Schedule,
+  TuningConfig,
+  default_config,
+  emit_ws_matmul,
+  matmul_reference,
+)
 from pipelines.config import NUM_COMPUTE_WGS
+from pipelines.operands import MatmulProblem
 from pipelines.ws_matmul_sm90 import SM_AXIS, WG_AXIS
 
 SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_m=64,
@@ -117,6 +125,22 @@ class LoweringAndValidationTest(parameterized.TestCase):
                           epi_tile_n=128, wg_dimension=MatmulDimension.M)
     mesh, args = ring_spec(num_devices, 256, 512, 512)
     run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=config)
+    supported = topology.RingSupport(True, "lowering only")
+    with interpret.interpret_disabled(), mock.patch.object(
+        topology, "mosaic_ring_support", return_value=supported):
+      text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    self.assertIn("mosaic_gpu", text)
+
+  def test_default_config_keeps_each_tile_whole(self):
+    """The ring forwards whole K loops, so its default config never splits K,
+    even where the matmul heuristic would (a short, deep shard)."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("the GPU tests run the kernel itself")
+    m_shard, k, n_shard = 256, 8192, 4096
+    problem = MatmulProblem(m=m_shard, k=k, n=n_shard, dtype=jnp.dtype(jnp.float16))
+    self.assertGreater(default_config(problem, jnp.float16).k_splits, 1)
+    mesh, args = ring_spec(jax.device_count(), m_shard, k, n_shard)
+    run = sharding.ring_matmul_fn(collectives.all_gather_matmul, mesh, implementation="mosaic")
     supported = topology.RingSupport(True, "lowering only")
     with interpret.interpret_disabled(), mock.patch.object(
         topology, "mosaic_ring_support", return_value=supported):

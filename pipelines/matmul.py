@@ -86,7 +86,8 @@ def _estimated_cost(problem: operands.MatmulProblem, config: TuningConfig, tile_
           + (_SPLIT_COST_MACS if splits > 1 else 0))
 
 
-def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
+def default_config(problem: operands.MatmulProblem, out_dtype, *,
+                   allow_k_splits: bool = True) -> TuningConfig:
   """A sound config without tuning.
 
   The sweeps on an H200 (PERFORMANCE.md) favour a 128x256 CTA tile made of two
@@ -99,8 +100,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   split of K (`TuningConfig.k_splits`) with the least estimated time on the
   busiest SM (`_estimated_cost`): at M = 512, N = 4096 that is 128x128 tiles
   (1.65x faster than 128x256); at 512x16384x1024, 128x256 tiles with K in 8
-  ranges (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41). Fewer
-  stages are used where SMEM is short.
+  ranges (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41). Kernels
+  that run each tile's whole K loop (the ring all-gather matmul) pass
+  `allow_k_splits=False`. Fewer stages are used where SMEM is short.
   """
   (largest, _), *_ = _HEURISTIC_TILES
   if _num_tiles(problem, largest) >= device_facts().sm_count:
@@ -115,7 +117,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   else:
     options = [(_estimated_cost(problem, tiles, tile_cost, splits), i, tiles, splits)
                for i, (tiles, tile_cost) in enumerate(_HEURISTIC_TILES)
-               for splits in _k_splits_options(problem, tiles)]
+               for splits in (_k_splits_options(problem, tiles) if allow_k_splits else (1,))]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
     *_, tiles, splits = min(options, key=lambda option: option[:2])
   if problem.n <= 128:
