@@ -34,11 +34,23 @@ _HEURISTIC_TILES = (
     (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M), 1.1),
     (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N), 1.5),
 )
-# What splitting K costs beyond the work, in multiply-adds of one SM (about
-# 6 us on an H200): the float32 partials' stores, the XLA pass that sums
-# them, and its launch. Calibrated on 512x4096x2048 (128x128 tiles: 21.4 us
-# whole, 17.1 us in two splits); PERFORMANCE.md has the sweeps.
-_SPLIT_COST_MACS = 22e6
+# `_estimated_time_us` models a problem with too few tiles to fill the SMs, on
+# an H200. Its constants were fitted to the split-K and small-output sweeps
+# (PERFORMANCE.md): on each of the 13 problems measured, it chooses the
+# fastest config measured, and so do nearby values of the constants.
+# One SM's multiply-adds per microsecond in 128x256 tiles (800 TFLOP/s).
+_SM_MACS_PER_US = 3.03e6
+# Each work item's pipeline fill and drain, and its epilogue.
+_WORK_ITEM_US = 2.0
+# HBM bytes per microsecond the kernel streams at (the peak is 4.8e6).
+_HBM_BYTES_PER_US = 5.0e6
+# The loads overlap the wgmmas, but not perfectly: the kernel's time is the
+# 3-norm of the compute and HBM times (between their sum and their max).
+_OVERLAP_NORM = 3
+# The XLA fusion that sums split partials: launch, and its reads of the
+# partials, which it mostly finds in L2 right after the kernel wrote them.
+_SPLIT_SUM_US = 4.0
+_SPLIT_SUM_BYTES_PER_US = 16e6
 # Shortest K range a split gets: below it the fill and drain of each
 # range's pipeline dominate (128x256 tiles at 512x4096x2048: 1024-long
 # ranges ran 13% slower than 128x128 tiles with 2048-long ones).
@@ -77,13 +89,25 @@ def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
       yield splits
 
 
-def _estimated_cost(problem: operands.MatmulProblem, config: TuningConfig, tile_cost: float,
-                    splits: int) -> float:
-  """Multiply-adds the busiest SM does, weighted by the tile's efficiency,
-  plus the cost of summing split partials."""
+def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
+                       tile_cost: float, splits: int) -> float:
+  """The model's time for `problem` in `config`'s CTA tiles and `splits` K ranges.
+
+  Compute: the busiest SM's multiply-adds, weighted by the tile's relative
+  cost, plus each work item's fixed cost. HBM: the operands once (an output
+  this small keeps the reused operand in L2) and the output, or the float32
+  partials of a split. A split also pays for the XLA sum of its partials.
+  """
+  m, k, n = problem.m, problem.k, problem.n
   waves = -(-_num_tiles(problem, config) * splits // device_facts().sm_count)
-  return (waves * config.cta_tile_m * config.cta_tile_n * (problem.k // splits) * tile_cost
-          + (_SPLIT_COST_MACS if splits > 1 else 0))
+  compute_us = waves * (config.cta_tile_m * config.cta_tile_n * (k // splits) * tile_cost
+                        / _SM_MACS_PER_US + _WORK_ITEM_US)
+  partial_bytes = splits * m * n * 4 if splits > 1 else 0
+  output_bytes = partial_bytes or m * n * problem.dtype.itemsize
+  hbm_us = ((m * k + k * n) * problem.dtype.itemsize + output_bytes) / _HBM_BYTES_PER_US
+  kernel_us = (compute_us ** _OVERLAP_NORM + hbm_us ** _OVERLAP_NORM) ** (1 / _OVERLAP_NORM)
+  sum_us = _SPLIT_SUM_US + partial_bytes / _SPLIT_SUM_BYTES_PER_US if splits > 1 else 0.0
+  return kernel_us + sum_us
 
 
 def default_config(problem: operands.MatmulProblem, out_dtype, *,
@@ -97,12 +121,15 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   128x256 (16384x1024x8192: 6.5% faster than 128x256).
 
   Problems with too few 128x256 tiles to fill the SMs get the CTA tile and
-  split of K (`TuningConfig.k_splits`) with the least estimated time on the
-  busiest SM (`_estimated_cost`): at M = 512, N = 4096 that is 128x128 tiles
-  (1.65x faster than 128x256); at 512x16384x1024, 128x256 tiles with K in 8
-  ranges (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41). Kernels
-  that run each tile's whole K loop (the ring all-gather matmul) pass
-  `allow_k_splits=False`. Fewer stages are used where SMEM is short.
+  split of K (`TuningConfig.k_splits`) with the least modelled time
+  (`_estimated_time_us`): at M = 512, N = 4096 that is 128x128 tiles (1.65x
+  faster than 128x256); at 512x16384x1024, 128x256 tiles with K in 8 ranges
+  (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41); at
+  128x8192x8192, which streams 128 MB of RHS from HBM, 128x128 tiles in 2
+  ranges, since each split adds float32 partials to that traffic (1.13x
+  faster than 128x256 tiles in 4). Kernels that run each tile's whole K loop
+  (the ring all-gather matmul) pass `allow_k_splits=False`. Fewer stages
+  are used where SMEM is short.
   """
   (largest, _), *_ = _HEURISTIC_TILES
   if _num_tiles(problem, largest) >= device_facts().sm_count:
@@ -115,7 +142,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
         and pingpong.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits()):
       return pingpong
   else:
-    options = [(_estimated_cost(problem, tiles, tile_cost, splits), i, tiles, splits)
+    options = [(_estimated_time_us(problem, tiles, tile_cost, splits), i, tiles, splits)
                for i, (tiles, tile_cost) in enumerate(_HEURISTIC_TILES)
                for splits in (_k_splits_options(problem, tiles) if allow_k_splits else (1,))]
     # min() keeps the first (largest tile, fewest splits) of equal costs.

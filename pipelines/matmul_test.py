@@ -287,7 +287,10 @@ class MatmulApiTest(testing.KernelTestCase):
                                 ((256, 8192, 4096), (128, 256, 4)),
                                 ((1024, 8192, 1024), (128, 256, 4)),
                                 ((512, 4096, 4096), (128, 128, 1)),  # 128 tiles already.
-                                ((1024, 2048, 1024), (64, 128, 1))):  # K too short to split.
+                                ((1024, 2048, 1024), (64, 128, 1)),  # K too short to split.
+                                # Bound by HBM (the RHS): fewer partial bytes win.
+                                ((128, 8192, 8192), (128, 128, 2)),
+                                ((128, 16384, 4096), (128, 128, 4))):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
       for out_dtype in (jnp.bfloat16, jnp.float32):
         config = default_config(problem, out_dtype)
