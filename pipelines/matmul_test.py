@@ -298,6 +298,26 @@ class MatmulApiTest(testing.KernelTestCase):
                          f"{m}x{k}x{n}")
         ws_matmul_sm90.check_config(config, problem, out_dtype, has_bias=True)
 
+  def test_heuristic_stages(self):
+    """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
+    split K and large tiles fewer."""
+    from pipelines import default_config
+    from pipelines import operands as ops
+    f16, f32 = jnp.float16, jnp.float32
+    for (m, k, n), out_dtype, expected in (((256, 8192, 8192), f16, (128, 128, 1, 6)),
+                                           ((256, 8192, 8192), f32, (128, 128, 1, 5)),
+                                           ((512, 4096, 2048), f16, (64, 128, 1, 6)),
+                                           ((128, 8192, 8192), f16, (128, 128, 2, 4)),
+                                           ((4096, 4096, 4096), f16, (128, 256, 1, 3))):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16))
+      config = default_config(problem, out_dtype)
+      self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits,
+                        config.max_concurrent_steps), expected, f"{m}x{k}x{n} -> {out_dtype}")
+      ws_matmul_sm90.check_config(config, problem, out_dtype, has_bias=True)
+      # The ring kernel's hold on its slots fits beside the deepest pipeline.
+      unsplit = default_config(problem, out_dtype, allow_k_splits=False)
+      ws_matmul_sm90.check_config(unsplit, problem, out_dtype, has_bias=True, delay_release=1)
+
   def test_heuristic_takes_pingpong_for_short_k(self):
     """Where K is short and 128x192 tiles leave the busiest SM at most 5% more work."""
     from pipelines import default_config

@@ -43,6 +43,9 @@ class SmemModelTest(parameterized.TestCase):
       (TuningConfig(max_concurrent_steps=3, schedule=Schedule.PINGPONG), True, jnp.bfloat16),
       (TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=2,
                     schedule=Schedule.PINGPONG), False, jnp.float32),
+      # The heuristic's deepest pipeline: 6 stages of 128x128 tiles, with bias.
+      (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M,
+                    max_concurrent_steps=6), True, jnp.bfloat16),
       # Split K: float32 staging tiles, no bias buffers (XLA adds the bias),
       # and the slots clamp to one split's 2 K steps.
       (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.M, k_splits=32),
