@@ -57,8 +57,9 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     axis_name: the mesh axis the LHS is sharded over (D devices); the Mosaic
       kernel needs it to span all devices of the job.
     config: the ring kernel's matmul config; by default the warp-specialized
-      matmul's heuristic for the local (M_shard, K, N_shard) problem, without
-      a split K (on one device, its tuning cache first).
+      matmul's heuristic for the local (M_shard, K, N_shard) problem, limited
+      to configs the ring can run: cooperative, no split K, CTA tiles that
+      divide the shards (on one device, its tuning cache first).
     dtype: output dtype, float16 or bfloat16; the operand dtype by default.
     implementation: "auto" (the Mosaic ring on Hopper GPUs that can reach
       each other's memory, the XLA ring elsewhere), or "mosaic" / "xla_ring"
@@ -77,7 +78,6 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   if choice.implementation == Implementation.LOCAL:
     return matmul(lhs, rhs, config=config, out_dtype=out_dtype)
   if config is None:
-    # The ring forwards each LHS tile as its K loop loads it: no split K.
-    config = default_config(problem, out_dtype, allow_k_splits=False)
+    config = default_config(problem, out_dtype, forwards_lhs_tiles=True)
   return ring_matmul_sm90.all_gather_lhs_matmul(lhs, rhs, axis_name, config=config,
                                                 dtype=out_dtype)

@@ -131,21 +131,35 @@ class LoweringAndValidationTest(parameterized.TestCase):
       text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     self.assertIn("mosaic_gpu", text)
 
-  def test_default_config_keeps_each_tile_whole(self):
-    """The ring forwards whole K loops, so its default config never splits K,
-    even where the matmul heuristic would (a short, deep shard)."""
+  @parameterized.parameters(
+      # A short, deep shard: the matmul heuristic splits K.
+      ((256, 8192, 4096), "needs k_splits=1, not 4"),
+      # A short K: the matmul heuristic takes the ping-pong schedule.
+      ((4096, 1024, 6144), "needs schedule=Schedule.COOPERATIVE"),
+      # The matmul heuristic's 128x128 tile masks the ragged last row band.
+      ((320, 4096, 4096), "M_shard .* must be a multiple of the CTA tile 128"),
+  )
+  def test_default_config_is_one_the_ring_runs(self, shard_shape, plain_config_error):
+    """Without a config, the ring asks the heuristic for one it can run, where
+    the plain matmul's config would be refused."""
     if jax.default_backend() == "gpu":
       self.skipTest("the GPU tests run the kernel itself")
-    m_shard, k, n_shard = 256, 8192, 4096
-    problem = MatmulProblem(m=m_shard, k=k, n=n_shard, dtype=jnp.dtype(jnp.float16))
-    self.assertGreater(default_config(problem, jnp.float16).k_splits, 1)
+    m_shard, k, n_shard = shard_shape
     mesh, args = ring_spec(jax.device_count(), m_shard, k, n_shard)
-    run = sharding.ring_matmul_fn(collectives.all_gather_matmul, mesh, implementation="mosaic")
     supported = topology.RingSupport(True, "lowering only")
-    with interpret.interpret_disabled(), mock.patch.object(
-        topology, "mosaic_ring_support", return_value=supported):
-      text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    self.assertIn("mosaic_gpu", text)
+    plain = default_config(MatmulProblem(m=m_shard, k=k, n=n_shard,
+                                         dtype=jnp.dtype(jnp.float16)), jnp.float16)
+    for config in (plain, None):
+      run = sharding.ring_matmul_fn(collectives.all_gather_matmul, mesh, config=config,
+                                    implementation="mosaic")
+      with self.subTest(config=config), interpret.interpret_disabled(), mock.patch.object(
+          topology, "mosaic_ring_support", return_value=supported):
+        if config is None:
+          text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+          self.assertIn("mosaic_gpu", text)
+        else:
+          with self.assertRaisesRegex(ValueError, plain_config_error):
+            run.trace(*args)
 
   def test_refuses_to_run_where_peers_are_unreachable(self):
     if jax.default_backend() == "gpu":

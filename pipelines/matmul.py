@@ -110,8 +110,12 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   return kernel_us + sum_us
 
 
+def _divides(problem: operands.MatmulProblem, config: TuningConfig) -> bool:
+  return problem.m % config.cta_tile_m == 0 and problem.n % config.cta_tile_n == 0
+
+
 def default_config(problem: operands.MatmulProblem, out_dtype, *,
-                   allow_k_splits: bool = True) -> TuningConfig:
+                   forwards_lhs_tiles: bool = False) -> TuningConfig:
   """A sound config without tuning.
 
   The sweeps on an H200 (PERFORMANCE.md) favour a 128x256 CTA tile made of two
@@ -127,29 +131,40 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41); at
   128x8192x8192, which streams 128 MB of RHS from HBM, 128x128 tiles in 2
   ranges, since each split adds float32 partials to that traffic (1.13x
-  faster than 128x256 tiles in 4). Kernels that run each tile's whole K loop
-  (the ring all-gather matmul) pass `allow_k_splits=False`.
+  faster than 128x256 tiles in 4).
 
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
   8192x8192x256: 5-11% faster than 4 stages); larger tiles and float32
   partial tiles leave room for fewer. Fewer stages are used where SMEM is
   short.
+
+  Args:
+    problem: the (M, K, N) problem and operand dtype.
+    out_dtype: the output dtype (the SMEM of the epilogue tiles).
+    forwards_lhs_tiles: for a kernel that forwards the LHS tiles its
+      pipeline loads (the ring all-gather matmul, through
+      `emit_ws_matmul`'s `pipeline_callback`): the cooperative schedule, no
+      split K, and CTA tiles that divide M and N where one of the
+      heuristic's tiles does.
   """
-  (largest, _), *_ = _HEURISTIC_TILES
+  candidates = _HEURISTIC_TILES
+  if forwards_lhs_tiles:
+    candidates = tuple(c for c in _HEURISTIC_TILES if _divides(problem, c[0])) or candidates
+  (largest, _), *_ = candidates
   if _num_tiles(problem, largest) >= device_facts().sm_count:
     # At least one full wave of the largest tile: its efficiency wins.
     tiles, splits = largest, 1
     pingpong = _PINGPONG_CONFIG
-    if (problem.k <= _PINGPONG_MAX_K
+    if (not forwards_lhs_tiles and problem.k <= _PINGPONG_MAX_K
         and _waves_cost(problem, pingpong)
         <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, largest)
         and pingpong.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits()):
       return pingpong
   else:
     options = [(_estimated_time_us(problem, tiles, tile_cost, splits), i, tiles, splits)
-               for i, (tiles, tile_cost) in enumerate(_HEURISTIC_TILES)
-               for splits in (_k_splits_options(problem, tiles) if allow_k_splits else (1,))]
+               for i, (tiles, tile_cost) in enumerate(candidates)
+               for splits in ((1,) if forwards_lhs_tiles else _k_splits_options(problem, tiles))]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
     *_, tiles, splits = min(options, key=lambda option: option[:2])
   if problem.n <= 128:

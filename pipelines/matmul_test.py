@@ -315,7 +315,7 @@ class MatmulApiTest(testing.KernelTestCase):
                         config.max_concurrent_steps), expected, f"{m}x{k}x{n} -> {out_dtype}")
       ws_matmul_sm90.check_config(config, problem, out_dtype, has_bias=True)
       # The ring kernel's hold on its slots fits beside the deepest pipeline.
-      unsplit = default_config(problem, out_dtype, allow_k_splits=False)
+      unsplit = default_config(problem, out_dtype, forwards_lhs_tiles=True)
       ws_matmul_sm90.check_config(unsplit, problem, out_dtype, has_bias=True, delay_release=1)
 
   def test_heuristic_takes_pingpong_for_short_k(self):
