@@ -19,6 +19,10 @@ import jax
 DEFAULT_ITERATIONS = 50
 
 
+def _tflops(flops: int, us: float) -> float:
+  return flops / (us * 1e-6) / 1e12
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Timing:
   """One benchmarked function: compile time, per-run times, median, rate."""
@@ -35,7 +39,7 @@ class Timing:
 
   @property
   def tflops(self) -> float:
-    return self.flops / (self.median_us * 1e-6) / 1e12
+    return _tflops(self.flops, self.median_us)
 
 
 def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str = "",
@@ -83,7 +87,7 @@ def compare_rounds(timings: Sequence[Timing], baseline: Sequence[Timing]) -> dic
   medians = [t.median_us for t in timings]
   ratios = [b.median_us / t.median_us for t, b in zip(timings, baseline, strict=True)]
   median_us = statistics.median(medians)
-  return dict(median_us=median_us, tflops=timings[0].flops / (median_us * 1e-6) / 1e12,
+  return dict(median_us=median_us, tflops=_tflops(timings[0].flops, median_us),
               ratio=statistics.median(ratios), ratio_min=min(ratios),
               ratio_max=max(ratios), round_median_us=medians)
 
