@@ -13,7 +13,8 @@ them), but it has no semaphores and no peer memory. This module adds both:
   * `pl.semaphore_wait(sem, value, decrement=...)`: blocks until the count is
     at least `value`, then subtracts `value` if `decrement` (the default). A
     wait that is still unsatisfied after `wait_timeout_s` seconds fails with
-    an error naming the device, block, semaphore, value and count.
+    a `TimeoutError` naming the device, block, semaphore, value and count
+    (see `collective_interpret_mode` for where it is raised).
   * `pl.semaphore_read(sem)`.
   * `plgpu.remote_ref(ref, device_id)` on a GMEM ref (a kernel input or
     output): TMA copies into it (`copy_smem_to_gmem`) and out of it
@@ -56,6 +57,9 @@ as before. Tests trace them inside `collective_interpret_mode()`:
     with interpret_collectives.collective_interpret_mode(wait_timeout_s=60):
       out = jax.jit(jax.shard_map(kernel_fn, mesh=mesh, ...))(x)
     assert not interpret.races_found()
+
+The block waits for the kernels it started when it ends, so a wait timeout is
+raised by the `with` statement at the latest, as a `TimeoutError`.
 
 Settings are read when a kernel is lowered (like `interpret_mode`), so a
 function already compiled keeps the timeout it was compiled with.
@@ -100,6 +104,8 @@ from core import interpret
 
 SUPPORTED_JAX_VERSION = "0.11.2"
 DEFAULT_WAIT_TIMEOUT_S = 60.0
+# How a wait timeout's line starts in the traceback jax puts in its runtime error.
+_WAIT_TIMEOUT_PREFIX = "TimeoutError: semaphore_wait at "
 
 _logger = logging.getLogger(__name__)
 
@@ -137,6 +143,13 @@ def collective_interpret_mode(*, detect_races: bool = True,
   the race detector may then miss a copy nobody waited for). An exception
   leaving the block resets the interpreter (`interpret.reset_after_failure`);
   one caught inside it needs that call.
+
+  The timeout is raised inside a callback of the running kernel, so jax
+  reports it as a `jax.errors.JaxRuntimeError` wherever the kernel's outputs
+  are first waited for, which may be after the block. The block therefore
+  waits for every kernel it started when it ends (`jax.effects_barrier`) and
+  raises a wait timeout that leaves it as a `TimeoutError` (chained from jax's
+  error). One caught inside the block is still jax's error.
   """
   if not wait_timeout_s > 0:
     raise ValueError(f"wait_timeout_s must be positive, got {wait_timeout_s=}")
@@ -145,9 +158,31 @@ def collective_interpret_mode(*, detect_races: bool = True,
   try:
     with interpret.interpret_mode(detect_races=detect_races,
                                   tma_threads_per_device=tma_threads_per_device):
-      yield
+      try:
+        yield
+        # Dispatch is asynchronous: a kernel started in the block may still run.
+        jax.effects_barrier()
+      except jax.errors.JaxRuntimeError as e:
+        timeout = _wait_timeout_error(e)
+        if timeout is None:
+          raise
+        raise timeout from e
   finally:
     _wait_timeout_s.reset(token)
+
+
+def _wait_timeout_error(error: BaseException) -> TimeoutError | None:
+  """The `TimeoutError` of a semaphore wait that `error` (jax's wrapper) carries, or None.
+
+  jax turns an exception raised in a callback into a runtime error whose text
+  holds the callback's traceback; a thread that fails because another one
+  timed out repeats that thread's traceback, so the first of our lines is the
+  wait that timed out.
+  """
+  for line in str(error).splitlines():
+    if line.startswith(_WAIT_TIMEOUT_PREFIX):
+      return TimeoutError(line.removeprefix("TimeoutError: "))
+  return None
 
 
 # --- XLA's CPU thread pools -----------------------------------------------------------
@@ -679,6 +714,7 @@ def _wait(*, token, mesh_location, thread, sem_id, value, decrement, timeout_s, 
         break
       remaining = deadline - time.monotonic()
       if remaining <= 0:
+        # The text starts with `_WAIT_TIMEOUT_PREFIX`, which `_wait_timeout_error` looks for.
         raise TimeoutError(
             f"semaphore_wait at {where} on device {thread.device_id} "
             f"(mesh coordinates {mesh_location.device_coords}, block {thread.block_id}, "

@@ -4,7 +4,6 @@ Small hand-written kernels under `jax.shard_map` on simulated CPU devices
 (Bazel sets XLA_FLAGS=--xla_force_host_platform_device_count=8).
 """
 
-import functools
 from unittest import mock
 
 import jax
@@ -265,7 +264,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
     # Every device holds every shard, in device order.
     np.testing.assert_array_equal(np.asarray(out), np.tile(np.asarray(x), (num_devices, 1)))
 
-  def test_unsatisfiable_wait_fails_in_bounded_time(self):
+  def _unsatisfiable_wait(self):
     num_devices = 2
 
     def body(x_gmem, out_gmem):
@@ -275,20 +274,44 @@ class CollectiveInterpretTest(parameterized.TestCase):
       pl.semaphore_signal(sem, device_id=right)
       pl.semaphore_wait(sem, 2)  # Only one signal ever comes.
 
-    kernel = functools.partial(
-        plgpu.kernel(body, out_type=(jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),),
-                     interpret=interpret.interpret_params()))
-    mesh = _mesh(num_devices)
+    kernel = plgpu.kernel(body, out_type=(jax.ShapeDtypeStruct((ROWS, COLS), jnp.float32),),
+                          interpret=interpret.interpret_params())
+    return jax.jit(jax.shard_map(kernel, mesh=_mesh(num_devices), in_specs=P(AXIS),
+                                 out_specs=(P(AXIS),), check_vma=False))
+
+  def _assert_interpreter_works(self):
+    mesh = _mesh(2)
     x = _sharded_input(2, mesh)
-    with interpret_collectives.collective_interpret_mode(wait_timeout_s=0.5):
-      with self.assertRaisesRegex(
-          Exception, r"(?s)TimeoutError: semaphore_wait .* on device [01] .*block 0.*"
-          r"still waits after 0.5 s on semaphore \d+ .*wants a count >= 2, the count is 1"):
-        _run(kernel, mesh, x, num_outputs=1)
-      interpret.reset_after_failure()
-    # The interpreter works again.
-    out, _ = _run(_ring_shift(num_devices), mesh, x, num_outputs=2)
+    out, _ = _run(_ring_shift(2), mesh, x, num_outputs=2)
     np.testing.assert_array_equal(np.asarray(out), _neighbour_shards(np.asarray(x), 2, 1))
+
+  def test_unsatisfiable_wait_raises_timeout_error(self):
+    x = _sharded_input(2, _mesh(2))
+    with self.assertRaisesRegex(
+        TimeoutError, r"(?s)^semaphore_wait .* on device [01] .*block 0.*"
+        r"still waits after 0.5 s on semaphore \d+ .*wants a count >= 2, the count is 1"
+    ) as caught:
+      with interpret_collectives.collective_interpret_mode(wait_timeout_s=0.5):
+        jax.block_until_ready(self._unsatisfiable_wait()(x))
+    self.assertIsInstance(caught.exception.__cause__, jax.errors.JaxRuntimeError)
+    # Leaving the block reset the interpreter.
+    self._assert_interpreter_works()
+
+  def test_wait_timeout_of_an_unawaited_kernel_is_raised_when_the_block_ends(self):
+    # The README's pattern: the block only starts the kernel (dispatch is asynchronous).
+    x = _sharded_input(2, _mesh(2))
+    with self.assertRaisesRegex(TimeoutError, r"^semaphore_wait .*still waits after 0.5 s"):
+      with interpret_collectives.collective_interpret_mode(wait_timeout_s=0.5):
+        out = self._unsatisfiable_wait()(x)
+    del out
+    self._assert_interpreter_works()
+
+  def test_other_runtime_errors_pass_unchanged(self):
+    error = jax.errors.JaxRuntimeError("INTERNAL: something else")
+    with self.assertRaises(jax.errors.JaxRuntimeError) as caught:
+      with interpret_collectives.collective_interpret_mode():
+        raise error
+    self.assertIs(caught.exception, error)
 
   @parameterized.named_parameters(
       ("correct", True, True, False),
