@@ -10,7 +10,11 @@ one local problem (M_shard, K, N_shard):
 and, on GPUs, each time as tensor-core utilization: the FLOPs of one device
 (2 * D * M_shard * K * N_shard) over the device's peak rate times the time.
 
-GPU times are CUPTI kernel times averaged over the devices (`core.timing`);
+GPU times are CUPTI kernel times averaged over the devices (`core.timing`).
+CUPTI sees the kernels of its own process only, so a call's CUPTI total is
+divided by the devices of the ring this process drives (one in a job of one
+process per GPU under `tools.launch`), not by the ring's size. A utilization
+above 100% is refused: it means a time was divided by too many devices.
 CPU times are wall-clock medians and only show that the path runs.
 """
 
@@ -91,22 +95,12 @@ def measure_row(num_devices: int, problem: LocalProblem, *, config: TuningConfig
   row = dict(devices=d, m_shard=p.m_shard, k=p.k, n_shard=p.n_shard, dtype=p.dtype,
              implementation=collectives.choose_implementation(d, implementation)
              .implementation.value, config=repr(config) if config else "default")
-  flops = p.flops_per_device(d)
   if has_gpu():
-    kernel_t, out = timing.time_gpu("kernel", kernel, args, flops=flops, iterations=iterations,
-                                    num_devices=d)
-    baseline_t, _ = timing.time_gpu("baseline", baseline, args, flops=flops,
-                                    iterations=iterations, num_devices=d)
-    local_args = cli.random_operands(p.m_shard, p.k, p.n_shard, p.dtype, seed=7)
-    local_t, _ = timing.time_gpu("local matmul", functools.partial(matmul, config=config),
-                                 local_args, flops=flops // d, iterations=iterations)
-    peak = device_facts().dense_16bit_flops
-    lower_us = d * local_t.median_us + ROUND_LATENCY_US * (d - 1)
-    row.update(timer="cupti", kernel_us=kernel_t.median_us, baseline_us=baseline_t.median_us,
-               local_matmul_us=local_t.median_us, lower_bound_us=lower_us,
-               kernel_util=flops / peak / (kernel_t.median_us * 1e-6),
-               baseline_util=flops / peak / (baseline_t.median_us * 1e-6),
-               lower_bound_util=flops / peak / (lower_us * 1e-6))
+    gpu_row, out = _gpu_columns(row, p, mesh, kernel=kernel, baseline=baseline, args=args,
+                                local_matmul=functools.partial(matmul, config=config),
+                                iterations=iterations,
+                                peak_flops=device_facts().dense_16bit_flops)
+    row.update(gpu_row)
   else:
     kernel_us, out = _time_wall(kernel, args, CPU_ITERATIONS)
     baseline_us, _ = _time_wall(baseline, args, CPU_ITERATIONS)
@@ -115,6 +109,53 @@ def measure_row(num_devices: int, problem: LocalProblem, *, config: TuningConfig
   row["rel_error"] = relative_error_on_device(out, _float32_reference(mesh)(*args))
   row["correct"] = row["rel_error"] <= RELATIVE_TOLERANCE[jnp.dtype(p.dtype)]
   return row
+
+
+def local_device_count(mesh, process_index: int) -> int:
+  """The devices of `mesh` that process `process_index` drives.
+
+  These are the devices whose kernels that process's CUPTI reports: the
+  divisor of a sharded call's CUPTI total (`timing.time_gpu(num_devices=)`).
+  """
+  count = sum(device.process_index == process_index for device in mesh.devices.flat)
+  if count == 0:
+    raise ValueError(f"process {process_index} drives none of the mesh's devices "
+                     f"{list(mesh.devices.flat)}; it cannot time a call on them")
+  return count
+
+
+def _gpu_columns(row: dict, problem: LocalProblem, mesh, *, kernel, baseline, args,
+                 local_matmul, iterations: int, peak_flops: float) -> tuple[dict, jax.Array]:
+  """CUPTI times and utilizations of one row (see the module docstring).
+
+  Returns the columns and the kernel's output (for checking).
+  """
+  d, p = row["devices"], problem
+  flops = p.flops_per_device(d)
+  local_devices = local_device_count(mesh, jax.process_index())
+  kernel_t, out = timing.time_gpu("kernel", kernel, args, flops=flops, iterations=iterations,
+                                  num_devices=local_devices)
+  baseline_t, _ = timing.time_gpu("baseline", baseline, args, flops=flops,
+                                  iterations=iterations, num_devices=local_devices)
+  local_args = cli.random_operands(p.m_shard, p.k, p.n_shard, p.dtype, seed=7)
+  local_t, _ = timing.time_gpu("local matmul", local_matmul, local_args, flops=flops // d,
+                               iterations=iterations)
+  lower_us = d * local_t.median_us + ROUND_LATENCY_US * (d - 1)
+  processes = len({device.process_index for device in mesh.devices.flat})
+  columns = dict(timer="cupti", processes=processes, local_devices=local_devices,
+                 kernel_us=kernel_t.median_us, baseline_us=baseline_t.median_us,
+                 local_matmul_us=local_t.median_us, lower_bound_us=lower_us)
+  for name in ("kernel", "baseline", "lower_bound"):
+    util = flops / peak_flops / (columns[f"{name}_us"] * 1e-6)
+    if util > 1:
+      raise ValueError(
+          f"row devices={d} ({row['implementation']}, config {row['config']}, local problem "
+          f"{p.m_shard}x{p.k}x{p.n_shard} {p.dtype}): {name}_util={util:.1%} exceeds 100% of "
+          f"the peak {peak_flops:.3g} FLOP/s ({name}_us={columns[f'{name}_us']:.1f}, "
+          f"{local_devices} local of {d} devices); no GPU runs that fast, so the time was "
+          "divided by more devices than CUPTI timed")
+    columns[f"{name}_util"] = util
+  return columns, out
 
 
 def measure_rows(device_counts, problem: LocalProblem, *, host_gpus: int,

@@ -1,0 +1,100 @@
+"""The collective table's GPU arithmetic, on synthetic CUPTI timings (no GPU)."""
+
+import types
+from unittest import mock
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from core import timing
+from tools import collective_table
+
+# H200's dense 16-bit peak; the tests only need a fixed rate.
+PEAK_FLOPS = 989.4e12
+# The reference problem on 2 GPUs: 2 * 2 * 1024 * 4096 * 4096 FLOPs per device.
+PROBLEM = collective_table.LocalProblem(m_shard=1024, k=4096, n_shard=4096)
+
+
+def per_device_us(num_devices: int) -> dict[str, float]:
+  """What one device spends on one call, in microseconds: about half the peak rate."""
+  return {"kernel": 65.0 * num_devices, "baseline": 74.0 * num_devices, "local matmul": 60.0}
+
+
+def fake_mesh(num_processes: int, devices_per_process: int):
+  """A mesh's device layout: device i belongs to process i // devices_per_process."""
+  devices = [types.SimpleNamespace(process_index=i // devices_per_process, id=i)
+             for i in range(num_processes * devices_per_process)]
+  return types.SimpleNamespace(devices=np.array(devices, dtype=object))
+
+
+def cupti_time_gpu(local_devices: int, times_us: dict[str, float]):
+  """`timing.time_gpu` with CUPTI's view of one process of the job.
+
+  CUPTI reports the kernels of this process's devices only: a sharded call's
+  total is one device's time per local device, which `time_gpu` divides by
+  its `num_devices`. The local matmul runs on one device.
+  """
+  def time_gpu(name, fn, args, *, flops, iterations, num_devices=1):
+    del fn, args, iterations
+    devices = 1 if name == "local matmul" else local_devices
+    total_us = times_us[name] * devices
+    return timing.Timing(name=name, config="", compile_s=0.0,
+                         times_us=(total_us / num_devices,), flops=flops), "output"
+  return time_gpu
+
+
+def gpu_columns(num_processes: int, devices_per_process: int, times_us=None):
+  mesh = fake_mesh(num_processes, devices_per_process)
+  d = num_processes * devices_per_process
+  times_us = times_us or per_device_us(d)
+  row = dict(devices=d, implementation="xla_ring", config="default")
+  with mock.patch.object(timing, "time_gpu", cupti_time_gpu(devices_per_process, times_us)), \
+      mock.patch.object(collective_table.jax, "process_index", return_value=0):
+    return collective_table._gpu_columns(  # noqa: SLF001
+        row, PROBLEM, mesh, kernel=None, baseline=None, args=(), local_matmul=None,
+        iterations=1, peak_flops=PEAK_FLOPS)
+
+
+class GpuColumnsTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("one_process_per_gpu", 2, 1),
+      ("one_process_for_both_gpus", 1, 2),
+      ("two_processes_of_four", 2, 4),
+  )
+  def test_times_are_per_device(self, num_processes, devices_per_process):
+    columns, out = gpu_columns(num_processes, devices_per_process)
+    self.assertEqual(out, "output")
+    self.assertEqual(columns["processes"], num_processes)
+    self.assertEqual(columns["local_devices"], devices_per_process)
+    d = num_processes * devices_per_process
+    expected_us = per_device_us(d)
+    self.assertAlmostEqual(columns["kernel_us"], expected_us["kernel"])
+    self.assertAlmostEqual(columns["baseline_us"], expected_us["baseline"])
+    self.assertAlmostEqual(columns["lower_bound_us"],
+                           d * expected_us["local matmul"]
+                           + collective_table.ROUND_LATENCY_US * (d - 1))
+    flops = PROBLEM.flops_per_device(d)
+    self.assertAlmostEqual(columns["baseline_util"],
+                           flops / PEAK_FLOPS / (expected_us["baseline"] * 1e-6))
+
+  def test_the_reported_two_gpu_baseline(self):
+    # Dividing by the job's 2 devices printed 74 us and 93% of the peak.
+    columns, _ = gpu_columns(2, 1)
+    self.assertAlmostEqual(columns["baseline_us"], 148.0)
+    self.assertAlmostEqual(columns["baseline_util"], 0.469, places=3)
+
+  def test_utilization_above_100_percent_is_refused(self):
+    with self.assertRaisesRegex(
+        ValueError, r"row devices=2 \(xla_ring, config default.*\): baseline_util=115\.8% "
+        r"exceeds 100%.*baseline_us=60\.0"):
+      gpu_columns(2, 1, times_us=dict(per_device_us(2), baseline=60.0))
+
+  def test_local_device_count(self):
+    self.assertEqual(collective_table.local_device_count(fake_mesh(4, 2), 3), 2)
+    with self.assertRaisesRegex(ValueError, "process 4 drives none of the mesh's devices"):
+      collective_table.local_device_count(fake_mesh(4, 2), 4)
+
+
+if __name__ == "__main__":
+  absltest.main()
