@@ -11,12 +11,26 @@ sees `--gpus_per_process` GPUs (CUDA_VISIBLE_DEVICES); on a CPU host (or with
 cross-process collectives.
 
 Each output line is prefixed with `[rank i]`. When a process fails, the others
-are killed and the launcher exits with its status; when any process is still
-running after `--timeout` seconds, all are killed and it exits with 124.
+are killed and the launcher exits with its status (128 + N for a process
+killed by signal N); when any process is still running after `--timeout`
+seconds, all are killed and it exits with 124; SIGTERM or SIGINT to the
+launcher kills all and it exits with 128 + the signal. A command that cannot
+be started gives one line on stderr and exit 127.
+
+Each process is started in its own session, and "killed" means its whole
+process group, on every way out: SIGTERM, `--terminate_grace` seconds for the
+group to exit, then SIGKILL. So a program's own children die with it, even
+ones that ignore SIGTERM or outlive the program.
+
+`initialize()` also shuts the job's distributed runtime down in order at
+exit, so that a clean run ends without gRPC errors from peers that lost the
+coordinator (which rank 0 hosts) while they were still connected.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -33,8 +47,16 @@ COORDINATOR_ENV = "MGPU_COORDINATOR"
 NUM_PROCESSES_ENV = "MGPU_NUM_PROCESSES"
 PROCESS_ID_ENV = "MGPU_PROCESS_ID"
 TIMEOUT_EXIT_CODE = 124
-# Time a process gets to exit after SIGTERM before it is killed.
+# The shell's status for a command it cannot run.
+CANNOT_RUN_EXIT_CODE = 127
+# A process killed by signal N exits with 128 + N, as in a shell.
+SIGNAL_EXIT_BASE = 128
+# Time a process group gets to exit after SIGTERM before it is killed.
 TERMINATE_GRACE_S = 5.0
+# Signals that stop the launcher and its job (Bazel and CI send SIGTERM).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# How often the launcher looks at its processes.
+_POLL_S = 0.05
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _PLATFORM = flags.DEFINE_enum("platform", "auto", ["auto", "gpu", "cpu"],
@@ -43,12 +65,15 @@ _GPUS_PER_PROCESS = flags.DEFINE_integer("gpus_per_process", 1, "GPUs each proce
 _DEVICES_PER_PROCESS = flags.DEFINE_integer("devices_per_process", 1,
                                             "CPU devices each process gets (CPU platform).")
 _TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Seconds before every process is killed.")
+_TERMINATE_GRACE = flags.DEFINE_float("terminate_grace", TERMINATE_GRACE_S,
+                                      "Seconds between SIGTERM and SIGKILL to a process group.")
 
 
 def initialize() -> bool:
   """Joins the job this process was launched into; returns False outside a launch.
 
-  Call before any other JAX call that touches devices.
+  Call before any other JAX call that touches devices. Registers the runtime's
+  orderly shutdown at exit (`shutdown`).
   """
   if NUM_PROCESSES_ENV not in os.environ:
     return False
@@ -60,7 +85,22 @@ def initialize() -> bool:
   jax.distributed.initialize(coordinator_address=os.environ[COORDINATOR_ENV],
                              num_processes=int(os.environ[NUM_PROCESSES_ENV]),
                              process_id=int(os.environ[PROCESS_ID_ENV]))
+  # atexit runs the last registered first: this runs before jax's own exit
+  # hook, which would first tear the backends down under a live runtime.
+  atexit.register(shutdown)
   return True
+
+
+def shutdown() -> None:
+  """Leaves the job's distributed runtime; does nothing outside a launch or when left.
+
+  `jax.distributed.shutdown` first meets every process at a barrier, so no
+  process disconnects while another still talks to the coordinator; only then
+  does rank 0 stop the coordination service it hosts.
+  """
+  import jax
+
+  jax.distributed.shutdown()
 
 
 def gpu_count() -> int:
@@ -111,56 +151,157 @@ def _forward_output(rank: int, stream, lock: threading.Lock) -> None:
       sys.stdout.flush()
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
-  """SIGTERM to every live process group, then SIGKILL to the ones still alive."""
-  for p in procs:
-    if p.poll() is None:
-      os.killpg(p.pid, signal.SIGTERM)
-  deadline = time.monotonic() + TERMINATE_GRACE_S
-  for p in procs:
-    try:
-      p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      os.killpg(p.pid, signal.SIGKILL)
-      p.wait()
-
-
-def launch(command: Sequence[str], envs: Sequence[dict[str, str]], *, timeout_s: float) -> int:
-  """Runs `command` once per environment; returns the job's exit status."""
-  lock = threading.Lock()
-  procs, readers = [], []
-  for rank, env in enumerate(envs):
-    # Own process group each, so that a kill reaches the program's children.
-    p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    procs.append(p)
-    reader = threading.Thread(target=_forward_output, args=(rank, p.stdout, lock), daemon=True)
-    reader.start()
-    readers.append(reader)
-  deadline = time.monotonic() + timeout_s
-  status = 0
+def _signal_group(pgid: int, sig: int) -> bool:
+  """Sends `sig` to process group `pgid`; False when the group has no process left."""
   try:
-    while True:
-      codes = [p.poll() for p in procs]
-      failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
-      if failed:
-        rank, status = failed[0]
-        print(f"launch: rank {rank} exited with status {status}; stopping the others",
-              file=sys.stderr)
-        break
-      if all(c == 0 for c in codes):
-        break
-      if time.monotonic() > deadline:
-        running = [rank for rank, c in enumerate(codes) if c is None]
-        print(f"launch: ranks {running} still running after {timeout_s:g} s; killing the job",
-              file=sys.stderr)
-        status = TIMEOUT_EXIT_CODE
-        break
-      time.sleep(0.05)
+    os.killpg(pgid, sig)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def _group_alive(pgid: int) -> bool:
+  """Whether process group `pgid` has a process that is not a zombie.
+
+  An orphan's zombie waits for whoever adopted it to reap it, which may be
+  never (a container's init), and still counts for `killpg`.
+  """
+  if not _signal_group(pgid, 0):
+    return False
+  try:
+    entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+  except OSError:  # No procfs: trust killpg.
+    return True
+  for pid in entries:
+    try:
+      with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    except OSError:  # Exited meanwhile.
+      continue
+    # Fields after "(command)": state, ppid, pgrp, ...
+    state, _, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+    if int(pgrp) == pgid and state != "Z":
+      return True
+  return False
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+  """Stops every process's group: SIGTERM, up to `grace_s` to exit, then SIGKILL.
+
+  A group is signalled whether or not its leader (the process started here)
+  is still running: the leader's children may outlive it, and may ignore
+  SIGTERM.
+  """
+  groups = [p.pid for p in procs]  # Each process leads its own group (own session).
+  alive = [g for g in groups if _signal_group(g, signal.SIGTERM)]
+  deadline = time.monotonic() + grace_s
+  while alive and time.monotonic() < deadline:
+    for p in procs:
+      p.poll()  # Reaps exited leaders, whose zombies would keep their group alive.
+    alive = [g for g in alive if _group_alive(g)]
+    if alive:
+      time.sleep(_POLL_S)
+  for g in alive:
+    _signal_group(g, signal.SIGKILL)
+  for p in procs:
+    p.wait()
+
+
+def exit_status(returncode: int) -> int:
+  """A process's exit status as a shell gives it: 128 + N when killed by signal N."""
+  return SIGNAL_EXIT_BASE - returncode if returncode < 0 else returncode
+
+
+def _signal_name(signum: int) -> str:
+  try:
+    return signal.Signals(signum).name
+  except ValueError:
+    return f"signal {signum}"
+
+
+def _describe_exit(returncode: int) -> str:
+  if returncode < 0:
+    return f"was killed by {_signal_name(-returncode)} (status {exit_status(returncode)})"
+  return f"exited with status {returncode}"
+
+
+@contextlib.contextmanager
+def _stop_signals_recorded(received: list[int]):
+  """Within the block, SIGTERM and SIGINT append their number to `received`.
+
+  The launcher must outlive them to stop its job (by default SIGTERM would end
+  it at once and leave every rank running). Only the main thread may set
+  signal handlers; elsewhere (a test's thread) the block changes nothing.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+              for sig in _STOP_SIGNALS}
+  try:
+    yield
   finally:
-    _stop(procs)
-    for reader in readers:
-      reader.join(timeout=TERMINATE_GRACE_S)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def launch(command: Sequence[str], envs: Sequence[dict[str, str]], *, timeout_s: float,
+           grace_s: float | None = None) -> int:
+  """Runs `command` once per environment; returns the job's exit status.
+
+  `grace_s`: how long each process group gets between SIGTERM and SIGKILL
+  when the job stops (default `TERMINATE_GRACE_S`).
+  """
+  if grace_s is None:
+    grace_s = TERMINATE_GRACE_S
+  lock = threading.Lock()
+  procs, readers, received = [], [], []
+  status = 0
+  with _stop_signals_recorded(received):
+    try:
+      for rank, env in enumerate(envs):
+        try:
+          # Own session, hence own process group: a kill reaches the program's children.
+          p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        except OSError as e:
+          print(f"launch: cannot run {command[0]!r}: {e.strerror or e}", file=sys.stderr)
+          return CANNOT_RUN_EXIT_CODE
+        procs.append(p)
+        reader = threading.Thread(target=_forward_output, args=(rank, p.stdout, lock),
+                                  daemon=True)
+        reader.start()
+        readers.append(reader)
+      deadline = time.monotonic() + timeout_s
+      while True:
+        if received:
+          sig = received[0]
+          print(f"launch: got {_signal_name(sig)}; stopping every rank",
+                file=sys.stderr)
+          status = SIGNAL_EXIT_BASE + sig
+          break
+        codes = [p.poll() for p in procs]
+        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+          rank, code = failed[0]
+          print(f"launch: rank {rank} {_describe_exit(code)}; stopping the others",
+                file=sys.stderr)
+          status = exit_status(code)
+          break
+        if all(c == 0 for c in codes):
+          break
+        if time.monotonic() > deadline:
+          running = [rank for rank, c in enumerate(codes) if c is None]
+          print(f"launch: ranks {running} still running after {timeout_s:g} s; killing the job",
+                file=sys.stderr)
+          status = TIMEOUT_EXIT_CODE
+          break
+        time.sleep(_POLL_S)
+    finally:
+      # Still under the recorded handlers: a second SIGTERM must not cut this short.
+      _stop(procs, grace_s)
+      for reader in readers:
+        reader.join(timeout=grace_s)
   return status
 
 
@@ -180,7 +321,7 @@ def main(argv):
                          f"{_GPUS_PER_PROCESS.value} needs more GPUs than the {gpus} here")
   envs = process_environments(num, use_gpus=use_gpus, gpus_per_process=_GPUS_PER_PROCESS.value,
                               devices_per_process=_DEVICES_PER_PROCESS.value)
-  sys.exit(launch(command, envs, timeout_s=_TIMEOUT.value))
+  sys.exit(launch(command, envs, timeout_s=_TIMEOUT.value, grace_s=_TERMINATE_GRACE.value))
 
 
 if __name__ == "__main__":
