@@ -3,15 +3,18 @@
 Candidates the SMEM budget rejects, or that do not fit the problem, are
 skipped without compiling. Each survivor is compiled, checked against the
 float32 reference (a config that computes wrong numbers never wins) and timed;
-the winner can be stored in the tuning cache that `matmul()` reads.
+the winner can be stored in the tuning cache that `matmul()` reads. A sweep in
+which nothing passes raises `TuningError` rather than return a loser.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import pathlib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 
@@ -20,6 +23,9 @@ from core.numerics import RELATIVE_TOLERANCE, relative_error
 from pipelines import operands, tuning_cache, ws_matmul_sm90
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.reference import matmul_reference
+
+_log = logging.getLogger(__name__)
+_REASON_CHARS = 300  # Of a rejection's reason: enough for an error's first lines.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,56 +71,152 @@ class Candidate:
   reason: str = ""
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sweep:
+  """What `tune` found.
+
+  Attributes:
+    timed: the configs that ran and matched the reference, fastest first; never empty.
+    rejected: the configs that were tried and failed to compile, to run or to
+      match the reference, in sweep order, each with its `reason`.
+    stored_at: the cache file the winner went to (`store=True`), else None.
+  """
+
+  timed: tuple[Candidate, ...]
+  rejected: tuple[Candidate, ...] = ()
+  stored_at: pathlib.Path | None = None
+
+  @property
+  def best(self) -> Candidate:
+    return self.timed[0]
+
+
+class TuningError(RuntimeError):
+  """No config of a sweep ran and matched the reference; `rejected` says why, per config."""
+
+  def __init__(self, message: str, rejected: Sequence[Candidate]):
+    super().__init__(message)
+    self.rejected = tuple(rejected)
+
+
+def _padded_problem(problem: operands.MatmulProblem,
+                    config: TuningConfig) -> operands.MatmulProblem:
+  # The matmul wrapper zero-pads K up to a multiple of tile_k * k_splits (zero
+  # rows add nothing to the sum) and checks the config against the padded K,
+  # so a K that is a multiple of 16 but not of tile_k (e.g. 80) still runs.
+  # Check against the same K here; this must stay in step with that padding.
+  step = config.tile_k * config.k_splits
+  return dataclasses.replace(problem, k=-(-problem.k // step) * step)
+
+
+def _split_feasible(problem: operands.MatmulProblem, out_dtype,
+                    space: SearchSpace | Iterable[TuningConfig]
+                    ) -> tuple[list[TuningConfig], list[Candidate]]:
+  """(configs that pass the problem and SMEM checks, the others with their reason)."""
+  feasible, infeasible = [], []
+  for config in space.configs() if isinstance(space, SearchSpace) else space:
+    try:
+      ws_matmul_sm90.check_config(config, _padded_problem(problem, config), out_dtype)
+    except ValueError as e:
+      infeasible.append(Candidate(config=config, median_us=None,
+                                  reason=f"infeasible: {e}"[:_REASON_CHARS]))
+      continue
+    feasible.append(config)
+  return feasible, infeasible
+
+
 def feasible_configs(problem: operands.MatmulProblem, out_dtype,
                      space: SearchSpace | Iterable[TuningConfig]) -> list[TuningConfig]:
   """Configs of `space` (or given ones) that pass the problem and SMEM checks
-  (nothing compiled)."""
-  out = []
-  for config in space.configs() if isinstance(space, SearchSpace) else space:
-    try:
-      ws_matmul_sm90.check_config(config, problem, out_dtype)
-    except ValueError:
-      continue
-    out.append(config)
-  return out
+  (nothing compiled), for K padded as the matmul wrapper pads it."""
+  return _split_feasible(problem, out_dtype, space)[0]
+
+
+def _failure_summary(problem: operands.MatmulProblem, out_dtype,
+                     failed: Sequence[Candidate]) -> str:
+  """Why every config failed, grouped by the kind of failure, the largest group first."""
+  shape = f"{problem.m}x{problem.k}x{problem.n} {problem.dtype.name}->{out_dtype.name}"
+  if not failed:
+    return f"the search space has no configs to try for {shape}"
+  groups: dict[str, list[Candidate]] = {}
+  for candidate in failed:
+    # Reasons read "<kind>: <detail>": an exception's type, "wrong result" or "infeasible".
+    groups.setdefault(candidate.reason.partition(":")[0], []).append(candidate)
+  lines = [f"none of the {len(failed)} configs tried ran and matched the reference for "
+           f"{shape}; by reason:"]
+  for kind, candidates in sorted(groups.items(), key=lambda item: -len(item[1])):
+    example = candidates[0]
+    lines.append(f"  {len(candidates)}x {kind}, e.g. {example.config}: {example.reason}")
+  return "\n".join(lines)
 
 
 def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
          space: SearchSpace | Iterable[TuningConfig] = SearchSpace(),
-         timer: Callable | None = None, store: bool = False, log=sys.stderr) -> list[Candidate]:
-  """Times every feasible config of `space` on `lhs @ rhs`; best first.
+         timer: Callable | None = None, store: bool = False, log=sys.stderr) -> Sweep:
+  """Times every feasible config of `space` on `lhs @ rhs`.
 
   Args:
-    lhs, rhs: (M, K) and (K, N) float16/bfloat16 operands (random data).
+    lhs, rhs: (M, K) and (K, N) float16/bfloat16 operands (random data), concrete
+      arrays: the sweep compiles and times kernels, so it cannot run under
+      `jax.jit` or another transformation.
     space: a `SearchSpace`, or the configs to try.
     timer: `timer(fn, args) -> median microseconds`; CUPTI timing on the GPU by default.
-    store: write the winner to the tuning cache.
+    store: write the winner to the tuning cache (or, if that cannot be written,
+      to the fallback file `tuning_cache.store` names; see `Sweep.stored_at`).
+
+  Returns:
+    A `Sweep`: the configs that matched the float32 reference, fastest first,
+    and separately the rejected ones with their reasons.
+
+  Raises:
+    ValueError: `lhs` or `rhs` is a tracer, or invalid operands.
+    TuningError: no config ran and matched the reference; the message counts
+      the failures by kind, with an example of each.
   """
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if isinstance(x, jax.core.Tracer):
+      raise ValueError(
+          f"{name} is a traced value ({type(x).__name__}, shape {x.shape}): tune() compiles, "
+          "checks and times kernels on concrete arrays, so it cannot run under jax.jit, "
+          "jax.vmap or another transformation. Call it outside the transformation, or give "
+          "matmul() a config= (or on_cache_miss='heuristic') under jit")
   problem = operands.check_operands(lhs, rhs)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   if timer is None:
     def timer(fn, args):
       return timing.time_gpu("ws_matmul", fn, args, flops=problem.flops)[0].median_us
-  configs = feasible_configs(problem, out_dtype, space)
+  configs, infeasible = _split_feasible(problem, out_dtype, space)
   reference = matmul_reference(lhs, rhs)
+  tolerance = RELATIVE_TOLERANCE[problem.dtype]
   results = []
   for i, config in enumerate(configs):
     def run(a, b, config=config):
       return ws_matmul_sm90.ws_matmul(a, b, config=config, out_dtype=out_dtype)
     try:
       err = relative_error(run(lhs, rhs), reference)
-      if not err <= RELATIVE_TOLERANCE[problem.dtype]:
-        results.append(Candidate(config=config, median_us=None, reason=f"rel. error {err:.2e}"))
-        continue
-      median = timer(run, (lhs, rhs))
-      results.append(Candidate(config=config, median_us=median))
+      if not err <= tolerance:
+        results.append(Candidate(config=config, median_us=None,
+                                 reason=f"wrong result: relative error {err:.2e} > {tolerance}"))
+      else:
+        results.append(Candidate(config=config, median_us=timer(run, (lhs, rhs))))
     except Exception as e:  # A config Mosaic GPU cannot compile loses, it does not stop the sweep.
-      reason = f"{type(e).__name__}: {e}"[:200]
+      reason = f"{type(e).__name__}: {e}"[:_REASON_CHARS]
       results.append(Candidate(config=config, median_us=None, reason=reason))
     last = results[-1]
-    shown = f"{last.median_us:.1f} us" if last.median_us else last.reason
+    shown = f"{last.median_us:.1f} us" if last.median_us is not None else last.reason
     print(f"[{i + 1}/{len(configs)}] {config}: {shown}", file=log, flush=True)
-  timed = sorted((c for c in results if c.median_us is not None), key=lambda c: c.median_us)
-  if store and timed:
-    tuning_cache.store(problem, out_dtype, timed[0].config, median_us=timed[0].median_us)
-  return timed + [c for c in results if c.median_us is None]
+  timed = tuple(sorted((c for c in results if c.median_us is not None),
+                       key=lambda c: c.median_us))
+  rejected = tuple(c for c in results if c.median_us is None)
+  if not timed:
+    raise TuningError(_failure_summary(problem, out_dtype, [*rejected, *infeasible]),
+                      rejected)
+  stored_at = None
+  if store:
+    try:
+      stored_at = tuning_cache.store(problem, out_dtype, timed[0].config,
+                                     median_us=timed[0].median_us)
+    except OSError as e:
+      # The sweep is finished: say what won rather than lose it to a failed write.
+      _log.warning("%s; the winner was %s at %.1f us", e, timed[0].config, timed[0].median_us)
+  return Sweep(timed=timed, rejected=rejected, stored_at=stored_at)

@@ -1,43 +1,138 @@
-"""The sweep's logic and the tuning cache, with a stand-in timer (no GPU needed)."""
+"""The sweep's logic, with a stand-in timer (no GPU needed)."""
 
+import dataclasses
 import os
+import pathlib
 import tempfile
 from unittest import mock
 
+import jax
 import jax.numpy as jnp
 from absl.testing import absltest
 
 from core import interpret_mode, testing
-from pipelines import autotune, matmul, tuning_cache
+from pipelines import autotune, matmul, tuning_cache, ws_matmul_sm90
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.operands import MatmulProblem
+from pipelines.reference import matmul_reference
 
 TINY_SPACE = autotune.SearchSpace(tile_m=(64,), tile_n=(64, 512), max_concurrent_steps=(2, 9),
                                   epi_tile=((64, 64),), grid_minor_dim=(MatmulDimension.M,),
                                   grid_tile_width=(1,), wg_dimension=(MatmulDimension.N,),
                                   schedule=(Schedule.COOPERATIVE,))
+# Three configs that fit a 128x128x128 float16 problem, told apart by their depth.
+GOOD, WRONG, BROKEN = (TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=s,
+                                    epi_tile_m=64, epi_tile_n=32) for s in (2, 3, 4))
+
+
+def fake_ws_matmul(lhs, rhs, *, config, out_dtype):
+  """Stands in for the kernel: right for GOOD, wrong for WRONG, raises for BROKEN."""
+  if config == BROKEN:
+    raise RuntimeError("Mosaic GPU failed to compile the kernel")
+  out = matmul_reference(lhs, rhs)
+  return (out if config == GOOD else out + 1.0).astype(out_dtype)
 
 
 class AutotuneTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    cache = os.path.join(tempfile.mkdtemp(), "cache.json")
-    self.enter_context(mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: cache}))
+    self.cache = os.path.join(tempfile.mkdtemp(), "cache.json")
+    self.enter_context(mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: self.cache}))
+    self.lhs = testing.random_array(0, (128, 128), jnp.float16)
+    self.rhs = testing.random_array(1, (128, 128), jnp.float16)
+    self.log = self.enter_context(open(os.devnull, "w"))
 
   def test_budget_rejects_without_compiling_and_the_fastest_wins(self):
     problem = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16))
     feasible = autotune.feasible_configs(problem, jnp.float16, TINY_SPACE)
     # tile_n=512 is not a valid config; 9 steps clamp to 2 K steps (same SMEM).
     self.assertEqual({(c.tile_n, c.max_concurrent_steps) for c in feasible}, {(64, 2), (64, 9)})
-    lhs = testing.random_array(0, (128, 128), jnp.float16)
-    rhs = testing.random_array(1, (128, 128), jnp.float16)
     fake_times = iter([5.0, 3.0])
-    with interpret_mode(detect_races=False):
-      results = autotune.tune(lhs, rhs, space=TINY_SPACE, timer=lambda fn, args: next(fake_times),
-                              store=True, log=open(os.devnull, "w"))
-    self.assertEqual([r.median_us for r in results], [3.0, 5.0])
-    self.assertEqual(tuning_cache.lookup(problem, jnp.float16), results[0].config)
+    kernel = mock.Mock(wraps=ws_matmul_sm90.ws_matmul)
+    with interpret_mode(detect_races=False), mock.patch.object(ws_matmul_sm90, "ws_matmul",
+                                                               kernel):
+      sweep = autotune.tune(self.lhs, self.rhs, space=TINY_SPACE,
+                            timer=lambda fn, args: next(fake_times), store=True, log=self.log)
+    # Only the feasible configs ran.
+    self.assertCountEqual([c.kwargs["config"] for c in kernel.call_args_list], feasible)
+    self.assertEqual([r.median_us for r in sweep.timed], [3.0, 5.0])
+    self.assertEmpty(sweep.rejected)
+    self.assertEqual(sweep.stored_at, pathlib.Path(self.cache))
+    self.assertEqual(tuning_cache.lookup(problem, jnp.float16), sweep.best.config)
+
+  def test_rejected_configs_are_kept_apart_from_the_timed_ones(self):
+    with mock.patch.object(ws_matmul_sm90, "ws_matmul", fake_ws_matmul):
+      sweep = autotune.tune(self.lhs, self.rhs, space=[WRONG, BROKEN, GOOD],
+                            timer=lambda fn, args: 1.0, log=self.log)
+    self.assertEqual([c.config for c in sweep.timed], [GOOD])
+    self.assertEqual([c.config for c in sweep.rejected], [WRONG, BROKEN])
+    self.assertStartsWith(sweep.rejected[0].reason, "wrong result: relative error")
+    self.assertEqual(sweep.rejected[1].reason,
+                     "RuntimeError: Mosaic GPU failed to compile the kernel")
+
+  def test_no_passing_config_raises_with_reasons_by_kind(self):
+    problem = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16))
+    also_wrong = dataclasses.replace(WRONG, max_concurrent_steps=5)
+    # The LHS and RHS tiles would need different swizzles: rejected without running.
+    infeasible = TuningConfig(tile_m=64, tile_n=64, tile_k=16, epi_tile_m=64, epi_tile_n=32)
+    with (mock.patch.object(ws_matmul_sm90, "ws_matmul", fake_ws_matmul),
+          self.assertRaises(autotune.TuningError) as raised):
+      autotune.tune(self.lhs, self.rhs, space=[WRONG, BROKEN, also_wrong, infeasible],
+                    timer=lambda fn, args: 1.0, store=True, log=self.log)
+    message = str(raised.exception)
+    self.assertIn("none of the 4 configs tried", message)
+    self.assertIn("128x128x128 float16->float16", message)
+    self.assertIn("2x wrong result, e.g. ", message)
+    self.assertIn("1x RuntimeError, e.g. ", message)
+    self.assertIn("1x infeasible, e.g. ", message)
+    self.assertLen(raised.exception.rejected, 3)
+    # Nothing was stored for a sweep that found nothing.
+    self.assertIsNone(tuning_cache.lookup(problem, jnp.float16))
+    self.assertFalse(os.path.exists(self.cache))
+
+  def test_refuses_traced_operands_before_running_anything(self):
+    kernel = mock.Mock(side_effect=fake_ws_matmul)
+
+    def under_jit(lhs, rhs):
+      autotune.tune(lhs, rhs, space=[GOOD], timer=lambda fn, args: 1.0, log=self.log)
+      return lhs
+
+    with (mock.patch.object(ws_matmul_sm90, "ws_matmul", kernel),
+          self.assertRaisesRegex(ValueError, r"lhs is a traced value .*jax\.jit")):
+      jax.jit(under_jit)(self.lhs, self.rhs)
+    kernel.assert_not_called()
+
+  def test_a_failed_store_keeps_the_sweep(self):
+    # A cache path under a regular file cannot be written, even by root.
+    blocker = os.path.join(tempfile.mkdtemp(), "a_file")
+    pathlib.Path(blocker).write_text("")
+    fallback_dir = tempfile.mkdtemp()
+    problem = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16))
+    with (mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: f"{blocker}/cache.json"}),
+          mock.patch.object(tempfile, "tempdir", fallback_dir),
+          mock.patch.object(ws_matmul_sm90, "ws_matmul", fake_ws_matmul),
+          self.assertLogs("pipelines.tuning_cache", "WARNING") as logs):
+      sweep = autotune.tune(self.lhs, self.rhs, space=[GOOD], timer=lambda fn, args: 2.0,
+                            store=True, log=self.log)
+    self.assertEqual(sweep.best.config, GOOD)
+    fallback = pathlib.Path(fallback_dir, "mgpu_cache.json")
+    self.assertEqual(sweep.stored_at, fallback)
+    self.assertIn(str(fallback), logs.output[0])
+    with mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: str(fallback)}):
+      self.assertEqual(tuning_cache.lookup(problem, jnp.float16), GOOD)
+
+  def test_k_that_tile_k_does_not_divide_is_tunable(self):
+    # The wrapper zero-pads K to a multiple of tile_k * k_splits.
+    split = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                         epi_tile_m=64, epi_tile_n=32, k_splits=2)
+    for k in (16, 32, 48, 80, 96, 144):
+      with self.subTest(k=k):
+        problem = MatmulProblem(m=128, k=k, n=128, dtype=jnp.dtype(jnp.float16))
+        self.assertNotEmpty(autotune.feasible_configs(problem, jnp.float16,
+                                                      autotune.SearchSpace()))
+        self.assertEqual(autotune.feasible_configs(problem, jnp.float16, [GOOD, split]),
+                         [GOOD, split])
 
   def test_explicit_configs_are_checked_too(self):
     problem = MatmulProblem(m=1024, k=4096, n=1024, dtype=jnp.dtype(jnp.float16))
@@ -47,7 +142,7 @@ class AutotuneTest(absltest.TestCase):
     self.assertEqual(autotune.feasible_configs(problem, jnp.float16, [fits, too_deep]), [fits])
 
   def test_cache_miss_modes(self):
-    lhs = jnp.zeros((64, 64), jnp.float16)
+    lhs = testing.random_array(0, (64, 64), jnp.float16)
     with self.assertRaisesRegex(LookupError, "no tuned config.*64x64x64"):
       matmul(lhs, lhs, on_cache_miss="error")
     with self.assertRaisesRegex(ValueError, "on_cache_miss='guess'"):
@@ -61,23 +156,6 @@ class AutotuneTest(absltest.TestCase):
     # Both splits of the cooperative schedule; ping-pong has no split, so once.
     self.assertEqual(sorted((c.schedule.name, c.wg_dimension.name) for c in configs),
                      [("COOPERATIVE", "M"), ("COOPERATIVE", "N"), ("PINGPONG", "N")])
-
-  def test_json_round_trip(self):
-    for config in (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.M),
-                   TuningConfig(tile_n=192, schedule=Schedule.PINGPONG)):
-      self.assertEqual(tuning_cache.config_from_json(tuning_cache.config_to_json(config)),
-                       config)
-    # Entries written before schedules existed are cooperative.
-    legacy = tuning_cache.config_to_json(TuningConfig())
-    del legacy["schedule"]
-    self.assertEqual(tuning_cache.config_from_json(legacy).schedule, Schedule.COOPERATIVE)
-
-  def test_shipped_cache_entries_are_valid_configs(self):
-    with mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: str(tuning_cache.DEFAULT_CACHE)}):
-      entries = tuning_cache._load(tuning_cache.cache_path())
-    self.assertNotEmpty(entries)
-    for entry in entries.values():
-      tuning_cache.config_from_json(entry["config"])
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ def choose_config(problem: operands.MatmulProblem, out_dtype, *,
                         "run //tools:autotune_matmul for this shape")
     case "tune":
       from pipelines import autotune  # noqa: PLC0415 - only needed on this path.
-      return autotune.tune(lhs, rhs, out_dtype=out_dtype, store=True)[0].config
+      return autotune.tune(lhs, rhs, out_dtype=out_dtype, store=True).best.config
   return default_config(problem, out_dtype)
 
 

@@ -6,7 +6,9 @@
 
 Writes each winner into the tuning cache (`pipelines/tuning_cache.json`, or
 `--cache`), keyed by GPU kind, jax version and problem, and the full sweep to
-`--out_dir/autotune_<shape>_<dtype>.json`. Needs a Hopper GPU.
+`--out_dir/autotune_<shape>_<dtype>.json` (the configs that passed, fastest
+first, then the rejected ones with their reasons). A problem for which no config
+passes is reported and skipped; the exit status is then nonzero. Needs a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def search_space() -> autotune.SearchSpace | list[TuningConfig]:
   return dataclasses.replace(space, **{k: v for k, v in overrides.items() if v})
 
 
+def _rows(candidates) -> list[dict]:
+  return [dict(tuning_cache.config_to_json(c.config), median_us=c.median_us, reason=c.reason)
+          for c in candidates]
+
+
 def main(argv):
   del argv
   if not has_gpu():
@@ -71,17 +78,29 @@ def main(argv):
     os.environ[tuning_cache.CACHE_ENV] = _CACHE.value
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   space = search_space()
+  failed = []
   for shape in _SHAPES.value:
     m, k, n = cli.parse_shape(shape)
     for dtype in _DTYPES.value:
       lhs, rhs = cli.random_operands(m, k, n, dtype)
-      results = autotune.tune(lhs, rhs, space=space, store=True)
-      rows = [dict(tuning_cache.config_to_json(c.config), median_us=c.median_us,
-                   reason=c.reason) for c in results]
-      report.write_json(os.path.join(_OUT_DIR.value, f"autotune_{shape}_{dtype}.json"), rows)
-      print(f"== {shape} {dtype}: best of {len(results)}")
-      report.print_table(rows[:5], [f.name for f in dataclasses.fields(autotune.TuningConfig)]
+      out_json = os.path.join(_OUT_DIR.value, f"autotune_{shape}_{dtype}.json")
+      try:
+        sweep = autotune.tune(lhs, rhs, space=space, store=True)
+      except autotune.TuningError as e:
+        # Keep the rejections for a look at why, and go on to the next problem.
+        report.write_json(out_json, _rows(e.rejected))
+        print(f"== {shape} {dtype}: nothing passed (reasons in {out_json})\n{e}")
+        failed.append(f"{shape} {dtype}")
+        continue
+      report.write_json(out_json, _rows(sweep.timed + sweep.rejected))
+      stored = sweep.stored_at or "no cache file (see the warning above)"
+      print(f"== {shape} {dtype}: best of {len(sweep.timed)} that passed "
+            f"({len(sweep.rejected)} rejected); winner stored in {stored}")
+      report.print_table(_rows(sweep.timed[:5]),
+                         [f.name for f in dataclasses.fields(autotune.TuningConfig)]
                          + ["median_us"])
+  if failed:
+    raise SystemExit(f"no config passed for: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
