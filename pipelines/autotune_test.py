@@ -122,6 +122,19 @@ class AutotuneTest(absltest.TestCase):
     with mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: str(fallback)}):
       self.assertEqual(tuning_cache.lookup(problem, jnp.float16), GOOD)
 
+  def test_a_store_that_fails_everywhere_still_returns_the_sweep(self):
+    blocker = os.path.join(tempfile.mkdtemp(), "a_file")
+    pathlib.Path(blocker).write_text("")
+    with (mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: f"{blocker}/cache.json"}),
+          mock.patch.object(tempfile, "tempdir", blocker),
+          mock.patch.object(ws_matmul_sm90, "ws_matmul", fake_ws_matmul),
+          self.assertLogs("pipelines.autotune", "WARNING") as logs):
+      sweep = autotune.tune(self.lhs, self.rhs, space=[GOOD], timer=lambda fn, args: 2.0,
+                            store=True, log=self.log)
+    self.assertEqual(sweep.best.config, GOOD)
+    self.assertIsNone(sweep.stored_at)
+    self.assertIn(f"the winner was {GOOD} at 2.0 us", logs.output[0])
+
   def test_k_that_tile_k_does_not_divide_is_tunable(self):
     # The wrapper zero-pads K to a multiple of tile_k * k_splits.
     split = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
