@@ -44,8 +44,12 @@ SEND_DELAY_RELEASE = 1
 SENDER_WG = 0
 
 
-def _check_ring_config(config: TuningConfig, problem, out_dtype) -> None:
-  """The shards must tile evenly by the CTA tile, and the config fit SMEM with delayed release."""
+def check_ring_config(config: TuningConfig, problem, out_dtype) -> None:
+  """Raises ValueError unless this kernel can run `config` on the shard `problem`.
+
+  The CTA tile must divide M_shard and N_shard, and the config be cooperative,
+  unsplit and fit SMEM with `SEND_DELAY_RELEASE` (see `ring_config`).
+  """
   for name, size, tile in (("M_shard (lhs.shape[0])", problem.m, config.cta_tile_m),
                            ("N_shard (rhs.shape[1])", problem.n, config.cta_tile_n)):
     if size % tile:
@@ -152,7 +156,7 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
   # Simulated devices (interpret mode) may be a part of the job's CPU devices.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=not interpreting)
   problem, out_dtype = operands.check_shards(lhs, rhs, dtype)
-  _check_ring_config(config, problem, out_dtype)
+  check_ring_config(config, problem, out_dtype)
   if interpreting and num_devices > 1 and not interpret.can_interpret_collectives():
     raise NotImplementedError(
         "the ring kernel on simulated devices needs semaphores and peer memory in interpret "
