@@ -154,6 +154,45 @@ class RaceDetectorTest(parameterized.TestCase):
       jax.block_until_ready(_copy_then_read(wait_for_writes=wait_for_writes))
     self.assertEqual(interpret.races_found(), racy)
 
+  def test_race_log_sees_a_race_in_an_earlier_kernel(self):
+    """`races_found()` answers for the last kernel only; the log keeps each."""
+    with interpret.interpret_mode(), interpret.race_log() as states:
+      jax.block_until_ready(_copy_then_read(wait_for_writes=False))
+      jax.block_until_ready(_copy_then_read(wait_for_writes=True))
+    self.assertFalse(interpret.races_found())
+    self.assertEqual([state.races_found for state in states], [True, False])
+
+
+class KernelTestCaseTest(testing.KernelTestCase):
+  """The test base itself must catch what it promises to."""
+
+  def test_run_kernel_fails_on_a_race_before_the_last_kernel(self):
+    if self.backend != testing.INTERPRET:
+      self.skipTest("a planted race, for the interpreter's race detector")
+
+    def racy_then_clean():
+      return (_copy_then_read(wait_for_writes=False), _copy_then_read(wait_for_writes=True))
+
+    with self.assertRaisesRegex(AssertionError, r"flagged kernel\(s\) \[0\] of 2"):
+      self.run_kernel(racy_then_clean)
+
+  def test_a_few_zeroed_elements_fail(self):
+    """100 of 1024x1024 elements zeroed: a norm-wise error of 0.0099 passes the
+    bfloat16 tolerance of 0.01, the element-wise bound does not."""
+    ref = testing.random_array(0, (1024, 1024), jnp.float32)
+    out = ref.astype(jnp.bfloat16)
+    self.assert_close(out, ref, dtype=jnp.bfloat16)  # Rounding alone passes.
+    zeroed = out.reshape(-1).at[::10486].set(0).reshape(ref.shape)
+    self.assertLess(relative_error(zeroed, ref), 0.01)
+    with self.assertRaisesRegex(AssertionError, "elements outside the bfloat16 element-wise"):
+      self.assert_close(zeroed, ref, dtype=jnp.bfloat16)
+
+  def test_output_bytes_counts_every_output(self):
+    def two_outputs(x):
+      return x.astype(jnp.float16), jnp.zeros((3, 5), jnp.float32)
+    self.assertEqual(testing.output_bytes(two_outputs, jnp.ones((8, 4), jnp.float32)),
+                     8 * 4 * 2 + 3 * 5 * 4)
+
 
 class NumericsTest(absltest.TestCase):
 

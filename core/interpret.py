@@ -141,6 +141,31 @@ def is_interpreting() -> bool:
   return interpret_params() is not None
 
 
+@contextlib.contextmanager
+def race_log():
+  """Keeps the race-detection state of every kernel interpreted inside the block.
+
+  The interpreter replaces its state when the next kernel starts, so
+  `races_found()` answers for the last kernel only; a function that
+  launches several (a split-K sum, a `lax.map` over a batch) needs this.
+  Yields a list that gets each kernel's state as it starts; a state's
+  `races_found` is final once its kernel is done.
+  """
+  states = []
+  original = gpu_callbacks.GPURaceDetectionState
+
+  class _LoggedState(original):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      states.append(self)
+
+  gpu_callbacks.GPURaceDetectionState = _LoggedState
+  try:
+    yield states
+  finally:
+    gpu_callbacks.GPURaceDetectionState = original
+
+
 def races_found() -> bool:
   """Whether the race detector flagged a race in the last interpreted kernel."""
   # The interpreter keeps its race state in a module global, reset at the start

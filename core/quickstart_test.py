@@ -16,8 +16,7 @@ class FillTest(testing.KernelTestCase):
                          dtype=[jnp.float32, jnp.bfloat16])
   def test_fills_every_element(self, shape, dtype):
     value = float(testing.random_array(sum(shape), (), jnp.float32))
-    out = self.run_kernel(quickstart.fill, shape, value, dtype,
-                          out_bytes=np.prod(shape) * jnp.dtype(dtype).itemsize)
+    out = self.run_kernel(quickstart.fill, shape, value, dtype)
     self.assertEqual(out.shape, shape)
     self.assertEqual(out.dtype, dtype)
     np.testing.assert_array_equal(np.asarray(out, np.float32),
@@ -39,8 +38,7 @@ class IotaTest(testing.KernelTestCase):
   def test_matches_arange(self, length, block, dtype):
     if length % block:
       self.skipTest(f"{length=} is not a multiple of {block=}")
-    out = self.run_kernel(quickstart.iota, length, block=block, dtype=dtype,
-                          out_bytes=length * 4)
+    out = self.run_kernel(quickstart.iota, length, block=block, dtype=dtype)
     np.testing.assert_array_equal(np.asarray(out), np.arange(length, dtype=dtype))
 
   def test_rejects_length_not_multiple_of_block(self):

@@ -6,13 +6,15 @@ detection (`MGPU_TEST_BACKEND=interpret`, the CI run) and on a real Hopper GPU
 a machine without a Hopper GPU skips every test and says why.
 
 Habits enforced here: inputs are random normal from a fixed key per test,
-never zeros; outputs start poisoned (NaN), so an element the kernel never
-writes fails the comparison; errors are relative to a float32 reference, with
-one tolerance per operand dtype.
+never zeros; outputs start poisoned (NaN) on every device, so an element the
+kernel never writes fails the comparison; every interpreted kernel is checked
+for races, not only the last of a call; errors are relative to a float32
+reference, norm-wise and element-wise, with one tolerance per operand dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 from absl.testing import parameterized
 
 from core import device, interpret
-from core.numerics import RELATIVE_TOLERANCE, relative_error
+from core.numerics import RELATIVE_TOLERANCE, elementwise_violations, relative_error
 
 BACKEND_ENV = "MGPU_TEST_BACKEND"
 INTERPRET, GPU = "interpret", "gpu"
@@ -47,16 +49,24 @@ def random_array(seed: int, shape, dtype, *, scale: float = 1.0) -> jax.Array:
 
 
 def poison_device_allocator(nbytes: int) -> None:
-  """Fills and frees `nbytes` of GPU memory with NaN so a fresh output buffer
-  (which the allocator hands out from that freed memory) starts poisoned.
+  """Fills and frees `nbytes` of memory with NaN on every local GPU, so a fresh
+  output buffer (which the allocator hands out from that freed memory)
+  starts poisoned.
 
   Interpret mode needs no help: it fills every new buffer with NaN itself.
   """
   if backend() != GPU:
     return
-  poison = jnp.full((max(nbytes // 4, 1) + 1024,), jnp.nan, jnp.float32)
-  poison.block_until_ready()
-  poison.delete()
+  poisons = [jax.device_put(jnp.full((nbytes // 4 + 1024,), jnp.nan, jnp.float32), d)
+             for d in jax.local_devices()]
+  for poison in jax.block_until_ready(poisons):
+    poison.delete()
+
+
+def output_bytes(fn, *args, **kwargs) -> int:
+  """Bytes of all outputs of `fn(*args, **kwargs)`, from its abstract evaluation."""
+  outs = jax.eval_shape(functools.partial(fn, **kwargs), *args)
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(outs))
 
 
 class KernelTestCase(parameterized.TestCase):
@@ -76,21 +86,36 @@ class KernelTestCase(parameterized.TestCase):
             f"has {count}. Run these tests on an H100/H200 host.")
     else:
       self.enter_context(interpret.interpret_mode(detect_races=True))
+      self.kernel_race_states = self.enter_context(interpret.race_log())
 
-  def run_kernel(self, fn, *args, out_bytes: int = 0, **kwargs):
-    """Calls `fn`, waits for it, and fails on a race the interpreter saw."""
-    poison_device_allocator(out_bytes)
+  def run_kernel(self, fn, *args, **kwargs):
+    """Calls `fn` on poisoned memory, waits for it, and fails on a race the
+    interpreter saw in any kernel it launched."""
+    if self.backend == GPU:
+      # Twice the outputs: the allocator may place them anywhere in what was freed.
+      poison_device_allocator(2 * output_bytes(fn, *args, **kwargs))
+    else:
+      first = len(self.kernel_race_states)
     out = jax.block_until_ready(fn(*args, **kwargs))
     if self.backend == INTERPRET:
-      self.assertFalse(interpret.races_found(), "race detector flagged the kernel")
+      racy = [i for i, state in enumerate(self.kernel_race_states[first:]) if state.races_found]
+      self.assertFalse(racy, f"race detector flagged kernel(s) {racy} of "
+                       f"{len(self.kernel_race_states) - first} launched by this call")
     return out
 
   def assert_close(self, out, ref, *, dtype, tolerance: float | None = None):
-    """Relative error of `out` against the float32 `ref` within the dtype's tolerance."""
+    """`out` against the float32 `ref`: the norm-wise relative error within
+    the dtype's tolerance (or `tolerance`), and every element within
+    `numerics.ELEMENTWISE_TOLERANCE` (skipped when `tolerance` is given:
+    a comparison between two kernels, not with the reference)."""
+    name = jnp.dtype(dtype).name
     tol = RELATIVE_TOLERANCE[jnp.dtype(dtype)] if tolerance is None else tolerance
     err = relative_error(out, ref)
-    self.assertLessEqual(
-        err, tol, f"relative error {err:.3e} > {tol:.1e} ({jnp.dtype(dtype).name})")
+    self.assertLessEqual(err, tol, f"relative error {err:.3e} > {tol:.1e} ({name})")
+    if tolerance is None:
+      bad, worst = elementwise_violations(out, ref, dtype)
+      self.assertEqual(bad, 0, f"{bad} of {ref.size} elements outside the {name} "
+                       f"element-wise bound; {worst}")
 
 
 
