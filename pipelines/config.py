@@ -268,7 +268,7 @@ class TuningConfig:
                    copies=NUM_COMPUTE_WGS * self.epilogue_slots),
     ]
     if has_bias:
-      buffers.append(SmemBuffer(name="bias_smem", shape=(self.tile_n,), dtype=out_dtype,
+      buffers.append(SmemBuffer(name="bias_smem", shape=(self.tile_n,), dtype=jnp.float32,
                                 copies=NUM_COMPUTE_WGS))
     # The slots' barriers; per compute warpgroup one for its bias load; with
     # delayed release, one that says a tile's slots are all free again.

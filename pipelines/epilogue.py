@@ -21,6 +21,10 @@ from core import barrier, smem
 from pipelines.config import NUM_COMPUTE_WGS
 
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
+# The bias reaches the kernel and the split-K sum in float32, whatever its
+# dtype: cast to a 16-bit output dtype first, a bias that cancels most of a
+# large accumulator would overflow or lose its low bits before the addition.
+BIAS_DTYPE = jnp.dtype(jnp.float32)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -69,13 +73,13 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool) -> dict:
 
   `out_smem`: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) staging
   tiles of `out_dtype`, swizzled; with `has_bias` also `bias_smem`
-  (2, tile_n) and `bias_loaded`, one barrier per compute warpgroup for the
+  (2, tile_n) of `BIAS_DTYPE` and `bias_loaded`, one barrier per compute warpgroup for the
   copy of its tile's bias into `bias_smem`.
   """
   scratch = dict(out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
                                 config.epi_tile_n), out_dtype, swizzled=True))
   if has_bias:
-    scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), out_dtype)
+    scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), BIAS_DTYPE)
     scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
   return scratch
 
@@ -91,25 +95,34 @@ def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilo
     wg_out: (tile_m, tile_n) GMEM ref of the output (TMA masks ragged edges).
     out_smem: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) SMEM staging
       tiles of the output dtype, swizzled.
-    bias_smem: (2, tile_n) SMEM ref holding this tile's bias (loaded), or None.
+    bias_smem: (2, tile_n) float32 SMEM ref holding this tile's bias (loaded),
+      or None.
     config: a `TuningConfig` (tiles and epilogue tiles).
   """
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
   n_sub = config.tile_n // epi_n
-  # The previous tile's last stores may still read out_smem; since each store
-  # below waits for all but one, only the previous tile's final store can be
-  # pending here.
+  slots = config.epilogue_slots
+  num_stores = (config.tile_m // epi_m) * n_sub
   for i in range(config.tile_m // epi_m):
     for j in range(n_sub):
       x = acc[i * epi_m:(i + 1) * epi_m, j * epi_n:(j + 1) * epi_n]
       if bias_smem is not None:
         bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)],
                           layout=plgpu.Layout.WGMMA.reduce(0))
-        x = x + lax.broadcast_in_dim(bias.astype(jnp.float32), x.shape, (1,))
+        x = x + lax.broadcast_in_dim(bias, x.shape, (1,))
       x = epilogue.apply(x)
-      slot = (i * n_sub + j) % config.epilogue_slots
-      # Keep at most one store in flight: the one from the other slot.
-      plgpu.wait_smem_to_gmem(config.epilogue_slots - 1, wait_read_only=True)
+      store = i * n_sub + j
+      slot = store % slots
+      # Before writing a slot, wait for the store that last read it. Within a
+      # tile that is the store `slots` back, so all but the last `slots - 1`
+      # stores must be done. A tile's first store meets the previous tile's
+      # stores instead: they used the slots in the same order only when each
+      # tile makes a multiple of `slots` stores; otherwise (say 3 sub-tiles
+      # in 2 slots) the previous tile's last store may still be reading this
+      # slot, so wait for all of them. They were issued before this tile's K
+      # loop, so that wait costs nothing.
+      in_flight = 0 if store == 0 and num_stores % slots else slots - 1
+      plgpu.wait_smem_to_gmem(in_flight, wait_read_only=True)
       out_smem[wg, slot] = x.astype(out_smem.dtype)
       plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
       plgpu.copy_smem_to_gmem(

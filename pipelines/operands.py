@@ -24,6 +24,11 @@ class MatmulProblem:
   def flops(self) -> int:
     return 2 * self.m * self.k * self.n
 
+  @property
+  def is_empty(self) -> bool:
+    """Whether M, N or K is 0: the product is all zeros (or has no elements)."""
+    return not (self.m and self.k and self.n)
+
 
 def check_operands(lhs, rhs) -> MatmulProblem:
   """Validates `lhs` (M, K) and `rhs` (K, N); raises `ValueError` naming the argument."""
@@ -71,6 +76,25 @@ def pad_for_tma(lhs, rhs, bias, *, n_multiple: int):
     if bias is not None:
       bias = jnp.pad(bias, (0, n_pad))
   return lhs, rhs, bias, (m, n)
+
+
+def pad_k(problem: MatmulProblem, k_multiple: int) -> MatmulProblem:
+  """`problem` with K rounded up to a multiple of `k_multiple` (see `pad_k_operands`)."""
+  return dataclasses.replace(problem, k=-(-problem.k // k_multiple) * k_multiple)
+
+
+def pad_k_operands(lhs, rhs, k_multiple: int):
+  """Zero-pads K of lhs (M, K) and rhs (K, N) up to a multiple of `k_multiple`.
+
+  The kernels step through K in whole `tile_k` steps, and the widest swizzle
+  needs 64-element K tiles of 16-bit operands, so a K such as 80 is padded
+  to 128. Zeros add nothing to the products. Copies both operands, only when
+  K is off the multiple.
+  """
+  k_pad = -lhs.shape[1] % k_multiple
+  if not k_pad:
+    return lhs, rhs
+  return jnp.pad(lhs, ((0, 0), (0, k_pad))), jnp.pad(rhs, ((0, k_pad), (0, 0)))
 
 
 def check_k_tiles(problem: MatmulProblem, tile_k: int) -> int:

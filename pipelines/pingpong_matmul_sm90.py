@@ -56,7 +56,7 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
 
   Args:
     lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref; out_gmem: (M, N) ref.
-    bias_gmem: (N,) ref of the output dtype, or None.
+    bias_gmem: (N,) float32 ref, or None.
     config: a `TuningConfig` with `schedule=Schedule.PINGPONG`.
     memory_registers: registers per thread the memory warpgroup keeps.
   """

@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -51,7 +52,7 @@ from pipelines.config import (
     TuningConfig,
     check_swizzle,
 )
-from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
+from pipelines.epilogue import BIAS_DTYPE, Epilogue, epilogue_scratch, store_epilogue
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul
 
 SM_AXIS = "sm"
@@ -82,7 +83,7 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
       float32 ref that receives each K range's partial product (the
       epilogue must then be the identity and `bias_gmem` None: the caller
       applies them to the sum).
-    bias_gmem: (N,) ref of the output dtype, or None.
+    bias_gmem: (N,) float32 ref, or None.
     config: a `TuningConfig` with the cooperative schedule (`ws_matmul` runs
       the ping-pong one, which has no `pipeline_callback`).
     pipeline_callback: see `PipelineCallback`; with it, `delay_release` keeps
@@ -200,12 +201,13 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
 
 def check_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                  has_bias: bool = False, delay_release: int = 0) -> int:
-  """Checks `config` against the problem and the SMEM budget; returns the K steps."""
+  """Checks `config` against the problem and the SMEM budget; returns the K steps.
+
+  `problem.k` must be a multiple of `config.tile_k`: `ws_matmul` checks the
+  K it pads to (a multiple of tile_k * k_splits), the ring kernel its own.
+  """
   k_steps = operands.check_k_tiles(problem, config.tile_k)
   check_swizzle(config, problem.dtype)
-  if k_steps % config.k_splits:
-    raise ValueError(f"k_splits={config.k_splits} must divide the K steps of a tile: "
-                     f"K / tile_k = {problem.k} / {config.tile_k} = {k_steps}")
   if delay_release and config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"delay_release={delay_release} (a pipeline_callback's hold on its "
                      f"slots) needs schedule=Schedule.COOPERATIVE, not {config.schedule!r}")
@@ -225,9 +227,15 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
               out_dtype=None) -> jax.Array:
   """`epilogue(lhs @ rhs + bias)` with the warp-specialized kernel and a given config.
 
+  Where M, N or K is 0 no kernel runs: the result is what `jnp.dot` gives
+  (an empty array, or for K = 0 the epilogue of zeros). A K that is not a
+  multiple of `config.tile_k * config.k_splits` is zero-padded up to one,
+  which copies both operands (`operands.pad_k`).
+
   Args:
-    lhs: (M, K) float16 or bfloat16; rhs: (K, N) of the same dtype.
-    bias: (N,) or None; cast to the output dtype.
+    lhs: (M, K) float16 or bfloat16; rhs: (K, N) of the same dtype. K a
+      multiple of 16.
+    bias: (N,) of any float dtype, or None; added in float32.
     config: tiles, pipeline depth, tile order, schedule and split of K (see
       `TuningConfig`).
     epilogue: activation; `epilogue.has_bias` must match `bias`. Fused into the
@@ -245,8 +253,13 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   if bias is not None:
     if bias.shape != (problem.n,):
       raise ValueError(f"bias must have shape (N,)=({problem.n},), got {bias.shape=}")
-    bias = bias.astype(out_dtype)
-  check_config(config, problem, out_dtype, has_bias=bias is not None)
+    bias = bias.astype(BIAS_DTYPE)
+  k_multiple = config.tile_k * config.k_splits
+  check_config(config, operands.pad_k(problem, k_multiple), out_dtype, has_bias=bias is not None)
+  if problem.is_empty:
+    return epilogue.apply_to_sum(jnp.zeros((problem.m, problem.n), jnp.float32),
+                                 bias).astype(out_dtype)
+  lhs, rhs = operands.pad_k_operands(lhs, rhs, k_multiple)
   store_dtype = config.store_dtype(out_dtype)
   n_multiple = math.lcm(swizzle_elems(config.cta_tile_n, problem.dtype),
                         swizzle_elems(config.epi_tile_n, store_dtype))
