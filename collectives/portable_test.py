@@ -87,8 +87,9 @@ class ValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "axis_name='x' is not a mesh axis in scope"):
       collectives.all_gather_matmul(lhs, lhs.T, "x")
 
-  def test_unknown_implementation(self):
-    with self.assertRaisesRegex(ValueError, "'fastest' is not a valid Implementation"):
+  def test_unknown_implementation_lists_the_valid_ones(self):
+    with self.assertRaisesRegex(ValueError, "implementation='fastest' is not one of "
+                                r"\('auto', 'mosaic', 'local', 'xla_ring', 'xla_all_gather'\)"):
       collectives.choose_implementation(2, "fastest")
 
 

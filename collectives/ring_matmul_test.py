@@ -181,8 +181,11 @@ class LoweringAndValidationTest(parameterized.TestCase):
       choice = collectives.choose_implementation(4)
     self.assertFalse(support.supported)
     self.assertIn("needs NVSHMEM", support.reason)
-    self.assertEqual(choice.implementation, collectives.Implementation.XLA_RING)
-    self.assertEqual(choice.reason, support.reason)
+    # On GPUs the fallback is NCCL all-gather + one dot, which the XLA ring
+    # did not beat there (0.78x in a job of one process per H200).
+    self.assertEqual(choice.implementation, collectives.Implementation.XLA_ALL_GATHER)
+    self.assertIn(support.reason, choice.reason)
+    self.assertIn("0.78x", choice.reason)
 
   def test_smem_model_with_delayed_release(self):
     """The budget counts the tile-drained barrier that `delay_release` adds."""

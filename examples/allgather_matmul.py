@@ -4,10 +4,12 @@
     bazel run //examples:allgather_matmul -- --device_counts=2,4,8 --m_shard=1024 --k=4096
 
 On Hopper GPUs it runs the Mosaic ring kernel (`collectives.all_gather_matmul`;
-one GPU takes the plain warp-specialized matmul), checks it against a float32
-reference, and prints one row per device count: kernel time and tensor-core
-utilization, the lower bound (D x the single-GPU matmul of the local shard,
-plus a latency per communication round), and NCCL all-gather + cuBLAS.
+one GPU takes the plain warp-specialized matmul; where the ring cannot run,
+as with one process per GPU and no NVSHMEM, NCCL all-gather + one dot), checks
+it against a float32 reference, and prints one row per device count: kernel
+time and tensor-core utilization, the lower bound (D x the single-GPU matmul
+of the local shard, plus a latency per communication round), and NCCL
+all-gather + cuBLAS.
 
 With no GPU it runs the portable XLA ring on simulated CPU devices (8 unless
 XLA_FLAGS says otherwise), at smaller default shapes, and says so. Under
@@ -46,7 +48,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "float16", ["float16", "bfloat16"], "Operand
 _CONFIG = flags.DEFINE_string("config", "",
                               "TuningConfig fields, e.g. tile_m=64,tile_n=256,wg_dimension=M; "
                               "default: the matmul heuristic.")
-_IMPLEMENTATION = flags.DEFINE_enum("implementation", "auto", ["auto", "mosaic", "xla_ring"],
+_IMPLEMENTATION = flags.DEFINE_enum("implementation", "auto",
+                                    ["auto", "mosaic", "xla_ring", "xla_all_gather"],
                                     "Force an implementation.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per measurement (GPU).")
 _JSON = flags.DEFINE_string("json", None, "Also write the rows to this JSON file.")
