@@ -99,16 +99,6 @@ class TuningError(RuntimeError):
     self.rejected = tuple(rejected)
 
 
-def _padded_problem(problem: operands.MatmulProblem,
-                    config: TuningConfig) -> operands.MatmulProblem:
-  # The matmul wrapper zero-pads K up to a multiple of tile_k * k_splits (zero
-  # rows add nothing to the sum) and checks the config against the padded K,
-  # so a K that is a multiple of 16 but not of tile_k (e.g. 80) still runs.
-  # Check against the same K here; this must stay in step with that padding.
-  step = config.tile_k * config.k_splits
-  return dataclasses.replace(problem, k=-(-problem.k // step) * step)
-
-
 def _split_feasible(problem: operands.MatmulProblem, out_dtype,
                     space: SearchSpace | Iterable[TuningConfig]
                     ) -> tuple[list[TuningConfig], list[Candidate]]:
@@ -116,7 +106,9 @@ def _split_feasible(problem: operands.MatmulProblem, out_dtype,
   feasible, infeasible = [], []
   for config in space.configs() if isinstance(space, SearchSpace) else space:
     try:
-      ws_matmul_sm90.check_config(config, _padded_problem(problem, config), out_dtype)
+      # Against the K that `ws_matmul` pads to, as it checks the config itself.
+      ws_matmul_sm90.check_config(
+          config, operands.pad_k(problem, config.tile_k * config.k_splits), out_dtype)
     except ValueError as e:
       infeasible.append(Candidate(config=config, median_us=None,
                                   reason=f"infeasible: {e}"[:_REASON_CHARS]))
