@@ -140,8 +140,8 @@ class LoweringAndValidationTest(parameterized.TestCase):
       ((320, 4096, 4096), "M_shard .* must be a multiple of the CTA tile 128"),
   )
   def test_default_config_is_one_the_ring_runs(self, shard_shape, plain_config_error):
-    """Without a config, the ring asks the heuristic for one it can run, where
-    the plain matmul's config would be refused."""
+    """Without a config, the ring takes `ring_config.default_ring_config`, where
+    the plain matmul's heuristic config would be refused."""
     if jax.default_backend() == "gpu":
       self.skipTest("the GPU tests run the kernel itself")
     m_shard, k, n_shard = shard_shape
