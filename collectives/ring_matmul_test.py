@@ -65,7 +65,7 @@ class ForwardLhsTilesTest(testing.KernelTestCase):
     rhs = testing.random_array(1, (192, 256), jnp.float16)
     out, lhs_copy = self.run_kernel(
         functools.partial(matmul_forwarding_lhs, config=config, num_blocks=num_blocks),
-        lhs, rhs, out_bytes=2 * 256 * 448)
+        lhs, rhs)
     np.testing.assert_array_equal(np.asarray(lhs_copy), np.asarray(lhs))
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
@@ -78,7 +78,7 @@ class ForwardLhsTilesTest(testing.KernelTestCase):
     rhs = testing.random_array(3, (4096, 4096), jnp.bfloat16)
     out, lhs_copy = self.run_kernel(
         functools.partial(matmul_forwarding_lhs, config=config, num_blocks=132),
-        lhs, rhs, out_bytes=2 * 1024 * 8192)
+        lhs, rhs)
     np.testing.assert_array_equal(np.asarray(lhs_copy), np.asarray(lhs))
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.bfloat16)
 
@@ -90,7 +90,7 @@ class OneDeviceTest(testing.KernelTestCase):
     lhs = testing.random_array(4, (256, 128), jnp.bfloat16)
     rhs = testing.random_array(5, (128, 128), jnp.bfloat16)
     run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=SMALL)
-    out = self.run_kernel(run, *sharding.place_operands(lhs, rhs, mesh), out_bytes=256 * 256)
+    out = self.run_kernel(run, *sharding.place_operands(lhs, rhs, mesh))
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.bfloat16)
 
   def test_dispatch_on_one_gpu_takes_the_local_matmul(self):
@@ -101,7 +101,7 @@ class OneDeviceTest(testing.KernelTestCase):
     rhs = testing.random_array(7, (512, 1024), jnp.float16)
     with self.assertLogs("collectives", logging.DEBUG) as logs:
       run = sharding.ring_matmul_fn(collectives.all_gather_matmul, mesh)
-      out = self.run_kernel(run, *sharding.place_operands(lhs, rhs, mesh), out_bytes=2 << 20)
+      out = self.run_kernel(run, *sharding.place_operands(lhs, rhs, mesh))
     self.assertIn("local", "\n".join(logs.output))
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 

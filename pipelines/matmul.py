@@ -66,6 +66,7 @@ _PINGPONG_CONFIG = TuningConfig(tile_m=128, tile_n=192, tile_k=64, max_concurren
                                 grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
                                 schedule=Schedule.PINGPONG)
 _PINGPONG_MAX_K = 2048
+(_HEURISTIC_TILE_K,) = {tiles.tile_k for tiles, _ in _HEURISTIC_TILES} | {_PINGPONG_CONFIG.tile_k}
 _PINGPONG_MAX_EXTRA_WORK = 1.05
 
 
@@ -112,12 +113,7 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   return kernel_us + sum_us
 
 
-def _divides(problem: operands.MatmulProblem, config: TuningConfig) -> bool:
-  return problem.m % config.cta_tile_m == 0 and problem.n % config.cta_tile_n == 0
-
-
-def default_config(problem: operands.MatmulProblem, out_dtype, *,
-                   forwards_lhs_tiles: bool = False) -> TuningConfig:
+def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   """A sound config without tuning.
 
   The sweeps on an H200 (PERFORMANCE.md) favour a 128x256 CTA tile made of two
@@ -144,29 +140,24 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   Args:
     problem: the (M, K, N) problem and operand dtype.
     out_dtype: the output dtype (the SMEM of the epilogue tiles).
-    forwards_lhs_tiles: for a kernel that forwards the LHS tiles its
-      pipeline loads (the ring all-gather matmul, through
-      `emit_ws_matmul`'s `pipeline_callback`): the cooperative schedule, no
-      split K, and CTA tiles that divide M and N where one of the
-      heuristic's tiles does.
   """
-  candidates = _HEURISTIC_TILES
-  if forwards_lhs_tiles:
-    candidates = tuple(c for c in _HEURISTIC_TILES if _divides(problem, c[0])) or candidates
-  (largest, _), *_ = candidates
+  # Every heuristic tile steps through K in 64s; `ws_matmul` zero-pads any
+  # other K up to that, so the model sees the padded K.
+  problem = operands.pad_k(problem, _HEURISTIC_TILE_K)
+  (largest, _), *_ = _HEURISTIC_TILES
   if _num_tiles(problem, largest) >= device_facts().sm_count:
     # At least one full wave of the largest tile: its efficiency wins.
     tiles, splits = largest, 1
     pingpong = _PINGPONG_CONFIG
-    if (not forwards_lhs_tiles and problem.k <= _PINGPONG_MAX_K
+    if (problem.k <= _PINGPONG_MAX_K
         and _waves_cost(problem, pingpong)
         <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, largest)
         and pingpong.smem_budget(problem.k, problem.dtype, out_dtype, has_bias=True).fits()):
       return pingpong
   else:
     options = [(_estimated_time_us(problem, tiles, tile_cost, splits), i, tiles, splits)
-               for i, (tiles, tile_cost) in enumerate(candidates)
-               for splits in ((1,) if forwards_lhs_tiles else _k_splits_options(problem, tiles))]
+               for i, (tiles, tile_cost) in enumerate(_HEURISTIC_TILES)
+               for splits in _k_splits_options(problem, tiles)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
     *_, tiles, splits = min(options, key=lambda option: option[:2])
   if problem.n <= 128:
@@ -208,8 +199,7 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
 
   Args:
     lhs: (M, K) float16 or bfloat16. M is arbitrary (edge tiles are masked).
-    rhs: (K, N), same dtype. N is arbitrary; K a multiple of 16 and of the
-      config's tile_k.
+    rhs: (K, N), same dtype. N a multiple of 8; K a multiple of 16.
     bias: optional (N,), added in float32 before the activation.
     activation: "none", "relu", "gelu" (tanh approximation) or "silu".
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
@@ -217,12 +207,20 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       GPU, jax version and shape, else what `on_cache_miss` says:
       "heuristic" (default), "tune" (sweep now, on a GPU) or "error".
 
+  K need not be a multiple of the config's tile_k: it is zero-padded to one
+  (a copy of both operands; the heuristic's tile_k is 64). Where M, N or K
+  is 0 no kernel runs and the result is what `jnp.dot` gives: an empty
+  array, or for K = 0 `activation(bias)` (zeros without a bias).
+
   Returns:
     (M, N) array of `out_dtype`. Under `jax.vmap`, a batched `lhs` with an
     unbatched `rhs` runs as one (B*M, K) matmul; other batchings loop.
   """
   problem = operands.check_operands(lhs, rhs)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
+  if config is None and problem.is_empty:
+    # Nothing to tune or launch: `ws_matmul` returns without a kernel.
+    config = default_config(problem, out_dtype)
   if config is None:
     config = choose_config(problem, out_dtype, on_cache_miss=on_cache_miss, lhs=lhs, rhs=rhs)
   epilogue = Epilogue(activation=activation, has_bias=bias is not None)

@@ -41,7 +41,7 @@ class PallasCallMatmulTest(testing.KernelTestCase):
     rhs = testing.random_array(1, (k, n), dtype)
     config = PipelinedConfig(tile_m=64, tile_n=64, max_concurrent_steps=3,
                              delay_release=delay_release)
-    out = self.run_kernel(pallas_call_matmul, lhs, rhs, config=config, out_bytes=m * n * 2)
+    out = self.run_kernel(pallas_call_matmul, lhs, rhs, config=config)
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=dtype)
     self.assert_close(out, pipelined_matmul(lhs, rhs, config=config), dtype=dtype,
                       tolerance=1e-3)
@@ -50,8 +50,7 @@ class PallasCallMatmulTest(testing.KernelTestCase):
     lhs = testing.random_array(4, (128, 128), jnp.bfloat16)
     rhs = testing.random_array(5, (128, 64), jnp.bfloat16)
     config = PipelinedConfig(tile_m=64, tile_n=64, max_concurrent_steps=2)
-    out = self.run_kernel(pallas_call_matmul, lhs, rhs, config=config, out_dtype=jnp.float32,
-                          out_bytes=128 * 64 * 4)
+    out = self.run_kernel(pallas_call_matmul, lhs, rhs, config=config, out_dtype=jnp.float32)
     self.assertEqual(out.dtype, jnp.float32)
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.bfloat16)
 
@@ -89,7 +88,7 @@ class PallasCallMatmulTest(testing.KernelTestCase):
                        model.pallas_call_smem_budget(k, jnp.float16, jnp.float16).total_bytes)
 
     # And the same numbers.
-    out = self.run_kernel(all_parallel, lhs, rhs, out_bytes=m * n * 2)
+    out = self.run_kernel(all_parallel, lhs, rhs)
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
 

@@ -19,6 +19,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -79,12 +80,15 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
     out_dtype: float16, bfloat16 or float32; defaults to the operand dtype.
 
   Returns:
-    (M, N) array of `out_dtype`, accumulated in float32.
+    (M, N) array of `out_dtype`, accumulated in float32; zeros without a
+    kernel where K is 0.
   """
   problem = operands.check_operands(lhs, rhs)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   k_steps = operands.check_k_tiles(problem, config.tile_k)
   check_swizzle(config, problem.dtype)
+  if problem.is_empty:
+    return jnp.zeros((problem.m, problem.n), out_dtype)  # As jnp.dot, with no kernel.
   config.smem_budget(problem.k, problem.dtype, out_dtype).check(what=repr(config))
   n_multiple = math.lcm(swizzle_elems(config.tile_n, problem.dtype),
                         swizzle_elems(config.tile_n, out_dtype))
