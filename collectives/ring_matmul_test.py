@@ -8,6 +8,7 @@ device with a local destination; the ring itself, across devices, is
 import dataclasses
 import functools
 import logging
+import re
 from unittest import mock
 
 import jax
@@ -56,13 +57,17 @@ def matmul_forwarding_lhs(lhs, rhs, *, config: TuningConfig, num_blocks: int):
 
 class ForwardLhsTilesTest(testing.KernelTestCase):
 
-  @parameterized.product(wg_dimension=list(MatmulDimension), num_blocks=[1, 3])
-  def test_every_lhs_tile_is_forwarded_and_the_product_is_right(self, wg_dimension, num_blocks):
+  @parameterized.product(wg_dimension=list(MatmulDimension), num_blocks=[1, 3],
+                         # 2 epilogue stores per tile, or 3 (odd: consecutive
+                         # tiles start on different staging slots).
+                         epilogue_tiling=[{}, dict(tile_n=192, epi_tile_n=64)])
+  def test_every_lhs_tile_is_forwarded_and_the_product_is_right(self, wg_dimension, num_blocks,
+                                                               epilogue_tiling):
     # Several N tiles per M band (only the first sends) and several tiles per
     # block (slots reused across tiles while copies may be in flight).
-    config = dataclasses.replace(SMALL, wg_dimension=wg_dimension)
+    config = dataclasses.replace(SMALL, wg_dimension=wg_dimension, **epilogue_tiling)
     lhs = testing.random_array(0, (256, 192), jnp.float16)
-    rhs = testing.random_array(1, (192, 256), jnp.float16)
+    rhs = testing.random_array(1, (192, 2 * config.cta_tile_n), jnp.float16)
     out, lhs_copy = self.run_kernel(
         functools.partial(matmul_forwarding_lhs, config=config, num_blocks=num_blocks),
         lhs, rhs)
@@ -115,8 +120,14 @@ def ring_spec(num_devices, m_shard, k, n_shard, dtype=jnp.float16):
 
 class LoweringAndValidationTest(parameterized.TestCase):
 
+  def assert_gathers_inside_one_kernel(self, lowered_text):
+    """One Mosaic GPU kernel and no XLA collective: the kernel moves the shards."""
+    self.assertLen(re.findall(r"stablehlo\.custom_call @mosaic_gpu", lowered_text), 1)
+    for op in ("all_gather", "collective_permute", "all_to_all", "all_reduce"):
+      self.assertNotIn(f"stablehlo.{op}", lowered_text)
+
   def test_lowers_for_cuda_across_all_devices(self):
-    """The full ring (remote refs, semaphores) lowers to a Mosaic GPU kernel on CPU."""
+    """The full ring (remote refs, semaphores) lowers to one Mosaic GPU kernel on CPU."""
     if jax.default_backend() == "gpu":
       self.skipTest("the GPU tests run the kernel itself")
     num_devices = jax.device_count()
@@ -129,7 +140,7 @@ class LoweringAndValidationTest(parameterized.TestCase):
     with interpret.interpret_disabled(), mock.patch.object(
         topology, "mosaic_ring_support", return_value=supported):
       text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    self.assertIn("mosaic_gpu", text)
+    self.assert_gathers_inside_one_kernel(text)
 
   @parameterized.parameters(
       # A short, deep shard: the matmul heuristic splits K.
@@ -156,7 +167,7 @@ class LoweringAndValidationTest(parameterized.TestCase):
           topology, "mosaic_ring_support", return_value=supported):
         if config is None:
           text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-          self.assertIn("mosaic_gpu", text)
+          self.assert_gathers_inside_one_kernel(text)
         else:
           with self.assertRaisesRegex(ValueError, plain_config_error):
             run.trace(*args)
