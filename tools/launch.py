@@ -46,6 +46,7 @@ from absl import app, flags
 COORDINATOR_ENV = "MGPU_COORDINATOR"
 NUM_PROCESSES_ENV = "MGPU_NUM_PROCESSES"
 PROCESS_ID_ENV = "MGPU_PROCESS_ID"
+LAUNCHER_PID_ENV = "MGPU_LAUNCHER_PID"
 TIMEOUT_EXIT_CODE = 124
 # The shell's status for a command it cannot run.
 CANNOT_RUN_EXIT_CODE = 127
@@ -57,6 +58,8 @@ TERMINATE_GRACE_S = 5.0
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # How often the launcher looks at its processes.
 _POLL_S = 0.05
+# How long rank 0 keeps the coordination service up for its peers to exit.
+PEER_EXIT_WAIT_S = 10.0
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _PLATFORM = flags.DEFINE_enum("platform", "auto", ["auto", "gpu", "cpu"],
@@ -94,13 +97,50 @@ def initialize() -> bool:
 def shutdown() -> None:
   """Leaves the job's distributed runtime; does nothing outside a launch or when left.
 
-  `jax.distributed.shutdown` first meets every process at a barrier, so no
-  process disconnects while another still talks to the coordinator; only then
-  does rank 0 stop the coordination service it hosts.
+  `jax.distributed.shutdown` meets every process at a barrier and disconnects.
+  A GPU process's runtime keeps watching the coordination service (which rank
+  0 hosts) until the process ends, and logs a gRPC CANCELLED or "connection
+  refused" error when the service stops first. So rank 0 stops the service
+  only after its peers have exited (up to `PEER_EXIT_WAIT_S`).
   """
   import jax
 
+  # jax.distributed.shutdown stops rank 0's service at once; only its state
+  # lets the service be stopped apart from the client.
+  from jax._src import distributed
+
+  service, distributed.global_state.service = distributed.global_state.service, None
   jax.distributed.shutdown()
+  if service is not None:
+    _wait_for_peers_to_exit(PEER_EXIT_WAIT_S)
+    service.shutdown()
+
+
+def _process_stat(pid: str) -> tuple[str, int, int] | None:
+  """(state, parent pid, process group) of a process per /proc, or None when it is gone."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      stat = f.read()
+  except OSError:
+    return None
+  # Fields after "(command)": state, ppid, pgrp, ...
+  state, ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+  return state, int(ppid), int(pgrp)
+
+
+def _wait_for_peers_to_exit(timeout_s: float) -> None:
+  """Waits until no other process of this launch (a child of the launcher) runs."""
+  launcher = os.environ.get(LAUNCHER_PID_ENV)
+  if launcher is None or not os.path.isdir("/proc"):
+    return
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    stats = [_process_stat(pid) for pid in os.listdir("/proc")
+             if pid.isdigit() and int(pid) != os.getpid()]
+    if not any(stat is not None and stat[1] == int(launcher) and stat[0] != "Z"
+               for stat in stats):
+      return
+    time.sleep(_POLL_S)
 
 
 def gpu_count() -> int:
@@ -130,7 +170,7 @@ def process_environments(num_processes: int, *, use_gpus: bool, gpus_per_process
   for rank in range(num_processes):
     env = dict(base)
     env.update({COORDINATOR_ENV: coordinator, NUM_PROCESSES_ENV: str(num_processes),
-                PROCESS_ID_ENV: str(rank)})
+                PROCESS_ID_ENV: str(rank), LAUNCHER_PID_ENV: str(os.getpid())})
     if use_gpus:
       first = rank * gpus_per_process
       env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(first, first + gpus_per_process)))
@@ -169,20 +209,11 @@ def _group_alive(pgid: int) -> bool:
   if not _signal_group(pgid, 0):
     return False
   try:
-    entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    pids = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
   except OSError:  # No procfs: trust killpg.
     return True
-  for pid in entries:
-    try:
-      with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    except OSError:  # Exited meanwhile.
-      continue
-    # Fields after "(command)": state, ppid, pgrp, ...
-    state, _, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
-    if int(pgrp) == pgid and state != "Z":
-      return True
-  return False
+  stats = [_process_stat(pid) for pid in pids]
+  return any(stat is not None and stat[2] == pgid and stat[0] != "Z" for stat in stats)
 
 
 def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
