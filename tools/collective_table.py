@@ -41,6 +41,7 @@ from collectives import sharding
 from core import device_facts, has_gpu, timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error_on_device
 from pipelines import TuningConfig, matmul
+from pipelines.operands import MatmulProblem
 from tools import cli
 
 # Latency of one NVLink send-and-signal round, for the lower bound.
@@ -92,9 +93,13 @@ def measure_row(num_devices: int, problem: LocalProblem, *, config: TuningConfig
   kernel = sharding.ring_matmul_fn(collectives.all_gather_matmul, mesh, config=config,
                                    implementation=implementation)
   baseline = sharding.ring_matmul_fn(collectives.all_gather_then_matmul, mesh)
+  # The label is what the dispatcher runs for these shards, fallbacks included.
+  shard_problem = MatmulProblem(m=p.m_shard, k=p.k, n=p.n_shard, dtype=jnp.dtype(p.dtype))
+  choice = collectives.choose_implementation(d, implementation, problem=shard_problem,
+                                             out_dtype=shard_problem.dtype, config=config)
   row = dict(devices=d, m_shard=p.m_shard, k=p.k, n_shard=p.n_shard, dtype=p.dtype,
-             implementation=collectives.choose_implementation(d, implementation)
-             .implementation.value, config=repr(config) if config else "default")
+             implementation=choice.implementation.value,
+             config=repr(config) if config else "default")
   if has_gpu():
     gpu_row, out = _gpu_columns(row, p, mesh, kernel=kernel, baseline=baseline, args=args,
                                 local_matmul=functools.partial(matmul, config=config),
