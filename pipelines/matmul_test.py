@@ -140,7 +140,10 @@ class WarpSpecializedMatmulTest(testing.KernelTestCase):
                       dtype=jnp.bfloat16)
     return out
 
-  @parameterized.parameters((200, 128, 136), (64, 64, 40), (130, 192, 248))
+  @parameterized.parameters(
+      (200, 128, 136), (64, 64, 40), (130, 192, 248),
+      # Narrower than one 64x128 CTA tile, with several K steps.
+      (128, 128, 64), (40, 192, 256), (8, 128, 64))
   def test_ragged_m_and_n_are_masked(self, m, k, n):
     lhs, rhs = operands(7, m, k, n, jnp.float16)
     out = self.run_kernel(matmul, lhs, rhs, config=SMALL_WS)

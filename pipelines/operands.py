@@ -59,16 +59,22 @@ def check_out_dtype(out_dtype, default) -> jnp.dtype:
   return out_dtype
 
 
-def pad_for_tma(lhs, rhs, bias, *, n_multiple: int):
-  """Pads M to a multiple of 8 rows and N to `n_multiple` columns with zeros.
+def pad_for_tma(lhs, rhs, bias, *, n_multiple: int, tile_n: int):
+  """Pads M to a multiple of 8 rows and N to `n_multiple` columns, and at
+  least `tile_n`, with zeros.
 
   TMA reads and writes a GMEM array through the same (8, swizzle) tiling as
   its SMEM tile, so the GMEM dimensions must be multiples of that tiling. The
   partial tiles at the edges are then masked by TMA itself; only arrays whose
-  M or N is off the tiling are copied. Returns (lhs, rhs, bias, (M, N)).
+  M or N is off the tiling are copied. A tile wider than the whole of N is
+  not masked correctly, though: on an H200, N = 64 under 128-wide CTA tiles
+  gave wrong products whenever K took two steps or more (relative error
+  0.7-1.0; M below the CTA tile was right), so such an N is padded to
+  `tile_n`. Returns (lhs, rhs, bias, (M, N)).
   """
   (m, _), n = lhs.shape, rhs.shape[1]
-  m_pad, n_pad = -m % TILE_ROWS, -n % n_multiple
+  m_pad = -m % TILE_ROWS
+  n_pad = max(-n % n_multiple, tile_n - n)
   if m_pad:
     lhs = jnp.pad(lhs, ((0, m_pad), (0, 0)))
   if n_pad:

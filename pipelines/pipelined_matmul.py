@@ -92,7 +92,8 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
   config.smem_budget(problem.k, problem.dtype, out_dtype).check(what=repr(config))
   n_multiple = math.lcm(swizzle_elems(config.tile_n, problem.dtype),
                         swizzle_elems(config.tile_n, out_dtype))
-  lhs, rhs, _, (m, n) = operands.pad_for_tma(lhs, rhs, None, n_multiple=n_multiple)
+  lhs, rhs, _, (m, n) = operands.pad_for_tma(lhs, rhs, None, n_multiple=n_multiple,
+                                             tile_n=config.tile_n)
   padded_m, padded_n = lhs.shape[0], rhs.shape[1]
   kernel = plgpu.kernel(
       functools.partial(_pipelined_matmul_kernel, config=config, k_steps=k_steps),

@@ -74,8 +74,8 @@ def emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: Tuni
   Must be called from a `plgpu.kernel` with grid axis `SM_AXIS` and three
   threads on axis `WG_AXIS`. All shapes are static; M and N may be ragged
   (TMA masks the edge tiles) but M must be a multiple of 8 and N of the
-  swizzle width (`operands.pad_for_tma`); K a multiple of `config.tile_k`
-  times `config.k_splits`.
+  swizzle width and at least the CTA tile's (`operands.pad_for_tma`); K a
+  multiple of `config.tile_k` times `config.k_splits`.
 
   Args:
     lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref.
@@ -263,7 +263,8 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   store_dtype = config.store_dtype(out_dtype)
   n_multiple = math.lcm(swizzle_elems(config.cta_tile_n, problem.dtype),
                         swizzle_elems(config.epi_tile_n, store_dtype))
-  lhs, rhs, bias, (m, n) = operands.pad_for_tma(lhs, rhs, bias, n_multiple=n_multiple)
+  lhs, rhs, bias, (m, n) = operands.pad_for_tma(lhs, rhs, bias, n_multiple=n_multiple,
+                                                tile_n=config.cta_tile_n)
   padded_m, padded_n = lhs.shape[0], rhs.shape[1]
   kernel_bias, kernel_epilogue = (bias, epilogue) if config.fuses_epilogue else (None, Epilogue())
 
