@@ -27,12 +27,13 @@ SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, ep
 WAIT_TIMEOUT_S = 60.0
 
 
-def run_ring(num_devices, m_shard, k, n_shard, dtype, config, seed=0):
+def ring_problem(num_devices, m_shard, k, n_shard, dtype, config, seed=0):
+  """(the jitted ring over `num_devices` devices, its placed operands, lhs, rhs)."""
   mesh = sharding.ring_mesh(num_devices)
   lhs = testing.random_array(seed, (num_devices * m_shard, k), dtype)
   rhs = testing.random_array(seed + 1, (k, num_devices * n_shard), dtype)
   run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=config)
-  return run(*sharding.place_operands(lhs, rhs, mesh)), lhs, rhs
+  return run, sharding.place_operands(lhs, rhs, mesh), lhs, rhs
 
 
 class RingKernelTest(testing.KernelTestCase):
@@ -58,8 +59,9 @@ class RingKernelTest(testing.KernelTestCase):
     # Two M tiles and two N tiles per device: several blocks send, and only
     # the first N tile of each M band forwards it.
     m_shard, n_shard = 2 * config.cta_tile_m, 2 * config.cta_tile_n
-    out, lhs, rhs = self.run_kernel(run_ring, num_devices, m_shard, 128, n_shard,
-                                    jnp.float16, config)
+    run, args, lhs, rhs = ring_problem(num_devices, m_shard, 128, n_shard, jnp.float16,
+                                       config)
+    out = self.run_kernel(run, *args)
     self.assertEqual(out.shape, (num_devices * m_shard, num_devices * n_shard))
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
@@ -80,7 +82,8 @@ class RingKernelTest(testing.KernelTestCase):
     # cannot have mistaken the broken send for a completed one.
     with mock.patch.object(module, name, replacement), \
         self.assertNoLogs(interpret_collectives.__name__, "WARNING"):
-      jax.block_until_ready(run_ring(2, 128, 128, 64, jnp.float16, SMALL, seed=5)[0])
+      run, args, _, _ = ring_problem(2, 128, 128, 64, jnp.float16, SMALL, seed=5)
+      jax.block_until_ready(run(*args))
     self.assertTrue(interpret.races_found(), f"{name} was broken and no race was reported")
 
   def test_all_gpus_at_the_reference_size(self):
@@ -88,8 +91,9 @@ class RingKernelTest(testing.KernelTestCase):
       self.skipTest("the reference size runs on GPUs only")
     config = TuningConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=3,
                           epi_tile_n=128, wg_dimension=MatmulDimension.M)
-    out, lhs, rhs = self.run_kernel(run_ring, jax.device_count(), 1024, 4096, 4096,
-                                    jnp.float16, config)
+    run, args, lhs, rhs = ring_problem(jax.device_count(), 1024, 4096, 4096, jnp.float16,
+                                       config)
+    out = self.run_kernel(run, *args)
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
 
 

@@ -188,10 +188,10 @@ class KernelTestCaseTest(testing.KernelTestCase):
       self.assert_close(zeroed, ref, dtype=jnp.bfloat16)
 
   def test_output_bytes_counts_every_output(self):
-    def two_outputs(x):
-      return x.astype(jnp.float16), jnp.zeros((3, 5), jnp.float32)
-    self.assertEqual(testing.output_bytes(two_outputs, jnp.ones((8, 4), jnp.float32)),
-                     8 * 4 * 2 + 3 * 5 * 4)
+    def two_outputs(x, rows, dtype):  # Non-array arguments stay concrete.
+      return x.astype(dtype), jnp.zeros((rows, 5), jnp.float32)
+    self.assertEqual(testing.output_bytes(two_outputs, jnp.ones((8, 4), jnp.float32), 3,
+                                          jnp.float16), 8 * 4 * 2 + 3 * 5 * 4)
 
 
 class NumericsTest(absltest.TestCase):

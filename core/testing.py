@@ -14,12 +14,12 @@ reference, norm-wise and element-wise, with one tolerance per operand dtype.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import parameterized
 
 from core import device, interpret
@@ -64,8 +64,19 @@ def poison_device_allocator(nbytes: int) -> None:
 
 
 def output_bytes(fn, *args, **kwargs) -> int:
-  """Bytes of all outputs of `fn(*args, **kwargs)`, from its abstract evaluation."""
-  outs = jax.eval_shape(functools.partial(fn, **kwargs), *args)
+  """Bytes of all outputs of `fn(*args, **kwargs)`, from its abstract evaluation.
+
+  Only array arguments are made abstract; the others (shapes, dtypes, device
+  counts) reach `fn` as they are, as they would in the real call.
+  """
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in args]
+
+  def with_arrays(*arrays):
+    it = iter(arrays)
+    whole = [next(it) if array else x for x, array in zip(args, is_array, strict=True)]
+    return fn(*whole, **kwargs)
+
+  outs = jax.eval_shape(with_arrays, *(x for x, array in zip(args, is_array, strict=True) if array))
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(outs))
 
 
