@@ -9,7 +9,7 @@ from absl.testing import absltest, parameterized
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import core
-from core import compiler, device, interpret, memory, quickstart, smem_budget, testing, timing
+from core import compiler, device, interpret, memory, smem_budget, testing, timing
 from core.numerics import relative_error
 
 
@@ -75,6 +75,21 @@ class CompilerParamsTest(absltest.TestCase):
     self.assertEqual(compiler.PipelineOptions(max_concurrent_steps=4).steps_for(2), 2)
 
 
+def _fill_through_smem(shape, dtype):
+  """A one-block kernel whose only SMEM is one `shape` x `dtype` buffer, copied out by TMA."""
+
+  def kernel(out_gmem, out_smem):
+    out_smem[...] = jnp.full(shape, 1.0, dtype)
+    plgpu.commit_smem()  # Make the register stores visible to the TMA engine.
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(shape, dtype),
+                      scratch_types=[memory.smem(shape, dtype)],
+                      compiler_params=compiler.compiler_params(),
+                      interpret=interpret.interpret_params())()
+
+
 class SmemBudgetTest(absltest.TestCase):
 
   def test_alignment_and_phases(self):
@@ -89,7 +104,7 @@ class SmemBudgetTest(absltest.TestCase):
     for shape, dtype in (((8, 128), jnp.float32), ((16, 64), jnp.bfloat16), ((100, 8), jnp.int32)):
       budget = smem_budget.SmemBudget(
           phases=((smem_budget.SmemBuffer(name="out", shape=shape, dtype=dtype),),))
-      fill = lambda s=shape, d=dtype: quickstart.fill(s, 1.0, d)  # noqa: E731
+      fill = lambda s=shape, d=dtype: _fill_through_smem(s, d)  # noqa: E731
       self.assertEqual(testing.mosaic_smem_bytes(fill), budget.total_bytes)
 
 

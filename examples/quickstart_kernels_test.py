@@ -7,7 +7,8 @@ from absl.testing import absltest, parameterized
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import interpret, quickstart, testing
+from core import interpret, testing
+from examples import quickstart_kernels
 
 
 class FillTest(testing.KernelTestCase):
@@ -16,7 +17,7 @@ class FillTest(testing.KernelTestCase):
                          dtype=[jnp.float32, jnp.bfloat16])
   def test_fills_every_element(self, shape, dtype):
     value = float(testing.random_array(sum(shape), (), jnp.float32))
-    out = self.run_kernel(quickstart.fill, shape, value, dtype)
+    out = self.run_kernel(quickstart_kernels.fill, shape, value, dtype)
     self.assertEqual(out.shape, shape)
     self.assertEqual(out.dtype, dtype)
     np.testing.assert_array_equal(np.asarray(out, np.float32),
@@ -24,11 +25,11 @@ class FillTest(testing.KernelTestCase):
 
   def test_rejects_bad_input_before_compiling(self):
     with self.assertRaisesRegex(ValueError, "dtype=int8"):
-      quickstart.fill((128,), 1.0, jnp.int8)
+      quickstart_kernels.fill((128,), 1.0, jnp.int8)
     with self.assertRaisesRegex(ValueError, "multiple of 16 bytes"):
-      quickstart.fill((3,), 1.0)
+      quickstart_kernels.fill((3,), 1.0)
     with self.assertRaisesRegex(ValueError, "shared memory"):
-      quickstart.fill((1024, 1024), 1.0)
+      quickstart_kernels.fill((1024, 1024), 1.0)
 
 
 class IotaTest(testing.KernelTestCase):
@@ -38,14 +39,14 @@ class IotaTest(testing.KernelTestCase):
   def test_matches_arange(self, length, block, dtype):
     if length % block:
       self.skipTest(f"{length=} is not a multiple of {block=}")
-    out = self.run_kernel(quickstart.iota, length, block=block, dtype=dtype)
+    out = self.run_kernel(quickstart_kernels.iota, length, block=block, dtype=dtype)
     np.testing.assert_array_equal(np.asarray(out), np.arange(length, dtype=dtype))
 
   def test_rejects_length_not_multiple_of_block(self):
     with self.assertRaisesRegex(ValueError, "length=300 must be a positive multiple of block=256"):
-      quickstart.iota(300)
+      quickstart_kernels.iota(300)
     with self.assertRaisesRegex(ValueError, "block=100"):
-      quickstart.iota(400, block=100)
+      quickstart_kernels.iota(400, block=100)
 
   def test_poisoned_output_catches_an_unwritten_element(self):
     # A deliberately broken checker input: the comparison the tests rely on

@@ -1,5 +1,6 @@
 """The Mosaic GPU quickstart kernels, as library functions.
 
+The smallest kernels of the repository, run by `examples/quickstart.py`.
 `fill` writes a constant through SMEM and a TMA copy (a one-block kernel);
 `iota` is gridded: block `i` (named axis "block") writes its slice
 `[i * block, (i + 1) * block)` straight from registers to GMEM.
