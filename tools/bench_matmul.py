@@ -11,7 +11,7 @@ rounds: the clock of a GPU under sustained load drifts by several percent
 within a minute, so each round's ratio compares runs seconds apart, and the
 reported ratio is the median of the rounds' ratios (with their range).
 `--sustain_s` adds the SM clock and power each kernel runs at over seconds of
-back-to-back calls (`timing.sustained_run`).
+back-to-back calls (`tools.gpu_sampling.sustained_run`).
 `--ws_config` adds rows for given warp-specialized configs, e.g.
 
     --ws_config=schedule=PINGPONG,tile_m=128,tile_n=128,max_concurrent_steps=3
@@ -32,7 +32,7 @@ from absl import app, flags
 from core import device_facts, has_gpu, timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
 from pipelines import PipelinedConfig, TuningConfig, matmul, matmul_reference, pipelined_matmul
-from tools import cli, report
+from tools import cli, gpu_sampling, report
 
 SUITE = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192, 4096),
          (8192, 8192, 1024), (16384, 1024, 8192))
@@ -106,8 +106,8 @@ def bench_problem(m: int, k: int, n: int, dtype) -> list[dict]:
       summary = timing.compare_rounds(timings[name], timings["jnp.dot"])
       record.update(summary, ratio_to_dot=summary.pop("ratio"))
       if _SUSTAIN_S.value:
-        record.update(timing.sustained_run(impls[name], (lhs, rhs), flops=flops,
-                                           seconds=_SUSTAIN_S.value))
+        record.update(gpu_sampling.sustained_run(impls[name], (lhs, rhs), flops=flops,
+                                                 seconds=_SUSTAIN_S.value))
   return list(records.values())
 
 
