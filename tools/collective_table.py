@@ -1,4 +1,4 @@
-"""The collective matmul table: one row per device count, measured in this process.
+"""The collective matmul table: one row per device count.
 
 A row times, on random normal operands in the ring layout, for D devices and
 one local problem (M_shard, K, N_shard):
@@ -16,11 +16,14 @@ divided by the devices of the ring this process drives (one in a job of one
 process per GPU under `tools.launch`), not by the ring's size. A utilization
 above 100% is refused: it means a time was divided by too many devices.
 CPU times are wall-clock medians and only show that the path runs.
+
+`measure_row` measures a row in this process. `measure_rows` on a host's GPUs
+(`host_gpus` > 0) measures each row in a child process
+(`tools/collective_table_child.py`) that sees only the row's GPUs.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -49,6 +52,8 @@ ROUND_LATENCY_US = 6.0
 COLUMNS = ("devices", "implementation", "kernel_us", "kernel_util", "lower_bound_us",
            "lower_bound_util", "baseline_us", "baseline_util", "speedup", "rel_error")
 CPU_ITERATIONS = 5
+# The program that measures one row in a child process (`python -m`); see measure_rows.
+CHILD_MODULE = "tools.collective_table_child"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -188,35 +193,23 @@ def measure_rows(device_counts, problem: LocalProblem, *, host_gpus: int,
   return rows
 
 
+def child_argv(num_devices: int, problem: LocalProblem, *, config_text: str,
+               implementation: str, iterations: int, row_json: str) -> list[str]:
+  """The command line of the child process that measures one row into `row_json`."""
+  return [sys.executable, "-m", CHILD_MODULE, f"--devices={num_devices}",
+          f"--m_shard={problem.m_shard}", f"--k={problem.k}", f"--n_shard={problem.n_shard}",
+          f"--dtype={problem.dtype}", f"--config={config_text}",
+          f"--implementation={implementation}", f"--iterations={iterations}",
+          f"--row_json={row_json}"]
+
+
 def _measure_row_in_child(num_devices, problem, config_text, implementation, iterations) -> dict:
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "row.json")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(num_devices))))
-    subprocess.run([sys.executable, "-m", "tools.collective_table", f"--devices={num_devices}",
-                    f"--m_shard={problem.m_shard}", f"--k={problem.k}",
-                    f"--n_shard={problem.n_shard}", f"--dtype={problem.dtype}",
-                    f"--config={config_text}", f"--implementation={implementation}",
-                    f"--iterations={iterations}", f"--row_json={path}"],
+    subprocess.run(child_argv(num_devices, problem, config_text=config_text,
+                              implementation=implementation, iterations=iterations,
+                              row_json=path),
                    env=env, check=True)
     with open(path) as f:
       return json.load(f)
-
-
-def _child_main() -> None:
-  """Measures one row on every visible device and writes it as JSON (see measure_rows)."""
-  parser = argparse.ArgumentParser()
-  for name in ("devices", "m_shard", "k", "n_shard", "iterations"):
-    parser.add_argument(f"--{name}", type=int, required=True)
-  for name in ("dtype", "config", "implementation", "row_json"):
-    parser.add_argument(f"--{name}", required=True)
-  a = parser.parse_args()
-  config = cli.parse_config(TuningConfig, a.config) if a.config else None
-  row = measure_row(a.devices, LocalProblem(m_shard=a.m_shard, k=a.k, n_shard=a.n_shard,
-                                            dtype=a.dtype),
-                    config=config, implementation=a.implementation, iterations=a.iterations)
-  with open(a.row_json, "w") as f:
-    json.dump(row, f)
-
-
-if __name__ == "__main__":
-  _child_main()

@@ -7,7 +7,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from core import timing
-from tools import collective_table
+from tools import collective_table, collective_table_child
 
 # H200's dense 16-bit peak; the tests only need a fixed rate.
 PEAK_FLOPS = 989.4e12
@@ -94,6 +94,21 @@ class GpuColumnsTest(parameterized.TestCase):
     self.assertEqual(collective_table.local_device_count(fake_mesh(4, 2), 3), 2)
     with self.assertRaisesRegex(ValueError, "process 4 drives none of the mesh's devices"):
       collective_table.local_device_count(fake_mesh(4, 2), 4)
+
+
+class ChildCommandLineTest(absltest.TestCase):
+
+  def test_child_parses_what_the_table_writes(self):
+    argv = collective_table.child_argv(4, PROBLEM, config_text="tile_m=64,tile_n=256",
+                                       implementation="xla_ring", iterations=7,
+                                       row_json="/tmp/row.json")
+    self.assertEqual(argv[1:3], ["-m", collective_table.CHILD_MODULE])
+    self.assertEqual(collective_table_child.__name__, collective_table.CHILD_MODULE)
+    a = collective_table_child.parse_args(argv[3:])
+    self.assertEqual((a.devices, a.m_shard, a.k, a.n_shard, a.dtype),
+                     (4, PROBLEM.m_shard, PROBLEM.k, PROBLEM.n_shard, PROBLEM.dtype))
+    self.assertEqual((a.config, a.implementation, a.iterations, a.row_json),
+                     ("tile_m=64,tile_n=256", "xla_ring", 7, "/tmp/row.json"))
 
 
 if __name__ == "__main__":
