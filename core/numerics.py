@@ -55,8 +55,10 @@ def elementwise_violations(out, ref, dtype) -> tuple[int, str]:
 def relative_error(out, ref) -> float:
   """||out - ref|| / ||ref|| in float64; a NaN or inf anywhere in `out` gives inf.
 
-  Outputs start poisoned with NaN in tests, so an element the kernel never
-  wrote makes this infinite.
+  In interpret mode every output starts as NaN, so an element the kernel never
+  wrote makes this infinite. On a GPU that holds only for memory poisoned by
+  `testing.KernelTestCase.run_kernel`, where an unwritten 16-bit element may
+  also read 0 (which `elementwise_violations` catches, not this).
   """
   out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
   ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)

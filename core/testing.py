@@ -6,10 +6,19 @@ detection (`MGPU_TEST_BACKEND=interpret`, the CI run) and on a real Hopper GPU
 a machine without a Hopper GPU skips every test and says why.
 
 Habits enforced here: inputs are random normal from a fixed key per test,
-never zeros; outputs start poisoned (NaN) on every device, so an element the
-kernel never writes fails the comparison; every interpreted kernel is checked
-for races, not only the last of a call; errors are relative to a float32
-reference, norm-wise and element-wise, with one tolerance per operand dtype.
+never zeros; an output element the kernel never writes is poison and fails
+the comparison; every interpreted kernel is checked for races, not only the
+last of a call; errors are relative to a float32 reference, norm-wise and
+element-wise, with one tolerance per operand dtype.
+
+Poison, precisely: in interpret mode the interpreter fills every buffer it
+allocates, outputs included, with NaN (integers with their maximum), inside
+`run_kernel` or not. On a GPU nothing does that for every buffer:
+`KernelTestCase.run_kernel` first fills and frees twice the outputs' bytes
+with float32 NaN on every device, so outputs the allocator places in that
+memory start poisoned (16-bit elements there alternate 0 and NaN; the
+element-wise bound of `assert_close` nearly always catches a stray 0). A
+kernel called on a GPU outside `run_kernel` gets whatever memory was there.
 """
 
 from __future__ import annotations
