@@ -2,7 +2,8 @@
 
 `//bazel:multi_device_env_test` (CPU) must see MGPU_TEST_BACKEND=interpret and 8 CPU
 devices (XLA_FLAGS set by the macro); `//bazel:multi_device_env_test_gpu` (tag multi_gpu,
---config=h100x8) must see "gpu" and more than one GPU.
+--config=h100x8) must see "gpu" and more than one GPU, and skips, saying why, where JAX
+sees fewer than two.
 """
 
 import os
@@ -10,12 +11,22 @@ import os
 import jax
 from absl.testing import absltest
 
+from bazel import gpu_skip
+
 
 def _expected_backend() -> str:
     return "gpu" if os.environ.get("TEST_TARGET", "").endswith("_gpu") else "interpret"
 
 
 class MultiDeviceEnvTest(absltest.TestCase):
+    def setUp(self):
+        super().setUp()
+        if _expected_backend() == "gpu":
+            reason = gpu_skip.skip_reason(needed=2, config="h100x8")
+            if reason:
+                print(f"SKIPPED: {reason}")
+                self.skipTest(reason)
+
     def test_backend_env(self):
         self.assertEqual(os.environ.get("MGPU_TEST_BACKEND"), _expected_backend())
 

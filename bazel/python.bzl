@@ -17,6 +17,8 @@ An interpreter given through MGPU_PYTHON that already has every pin of the lock 
 installed (for example the virtualenv of another checkout) is used as it is, without a new
 virtualenv.
 
+MGPU_JAX_VARIANT and MGPU_PYTHON are read from the environment or from `--repo_env`
+(`--config=h100` sets `--repo_env=MGPU_JAX_VARIANT=cuda12`, see .bazelrc).
 Bazel fetches the repository again when MGPU_PYTHON, MGPU_JAX_VARIANT or PYENV_ROOT change,
 when a lock file or this file changes, and on `bazel sync --configure`.
 
@@ -57,6 +59,15 @@ def _tail(text, lines = 40):
     if len(parts) > lines:
         parts = ["[... %d earlier lines ...]" % (len(parts) - lines)] + parts[-lines:]
     return "\n".join(["    " + p for p in parts])
+
+def _say(rctx, text):
+    """Prints a line on the console as soon as it is said.
+
+    Bazel shows report_progress only in the status lines of an interactive terminal, and
+    replays a repository rule's print() only when the rule is done; the output of a command
+    run with quiet = False reaches the console at once, terminal or not.
+    """
+    rctx.execute(["echo", "mgpu_python_env: " + text], quiet = False, timeout = 10)
 
 def _version_list(text):
     """"3.12.1" -> [3, 12, 1]; None when a part is not a plain number."""
@@ -183,7 +194,7 @@ def _create_venv(rctx, found, lock, variant):
     # after the environment changes instead of reporting results cached under the old one.
     key = hash("\n".join([variant, found.python, found.version, rctx.read(lock)])) & 0xffffffff
     venv = rctx.path("venv-%s-%d" % (variant, key))
-    rctx.report_progress("Creating a Python %s virtualenv" % found.version)
+    rctx.report_progress("creating a Python %s virtualenv for requirements/%s" % (found.version, lock.basename))
     res = rctx.execute(
         [found.python, "-m", "venv", str(venv)],
         timeout = 600,
@@ -197,7 +208,13 @@ def _create_venv(rctx, found, lock, variant):
         ]))
     python = str(venv) + "/bin/python3"
 
-    rctx.report_progress("pip install -r %s (%s; first fetch takes minutes)" % (lock.basename, variant))
+    message = "installing requirements/%s into a Python %s virtualenv (%s; the first time takes minutes)" % (
+        lock.basename,
+        found.version,
+        variant,
+    )
+    rctx.report_progress(message)
+    _say(rctx, message)
 
     # The lock files pin every package, dependencies included: --no-deps installs exactly
     # them, and `pip check` below catches a lock file that misses a dependency.
@@ -224,6 +241,7 @@ def _create_venv(rctx, found, lock, variant):
             _tail(res.stderr, 30),
             "Check network access to PyPI (or pip's configuration), then run the command again.",
         ]))
+    _say(rctx, "installed requirements/%s into %s" % (lock.basename, venv))
     res = rctx.execute([python, "-m", "pip", "check"], timeout = 300, environment = _CLEAN_ENV)
     if res.return_code != 0:
         fail("\n".join([
