@@ -17,7 +17,7 @@ import enum
 import jax
 from jax import lax
 
-from core import device_facts
+from core import device_facts, jax_private
 
 
 class ProcessLayout(enum.Enum):
@@ -36,9 +36,7 @@ def process_layout() -> ProcessLayout:
 
 def nvshmem_available() -> bool:
   """Whether Mosaic GPU would reach peers through NVSHMEM in this process."""
-  from jax.experimental.mosaic.gpu import core as mgpu_core  # Private in 0.11.2.
-
-  return mgpu_core.is_nvshmem_available()
+  return jax_private.nvshmem_available()
 
 
 def ring_axis_size(axis_name, *, span_all_devices: bool) -> int:

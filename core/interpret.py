@@ -29,12 +29,9 @@ import contextlib
 import contextvars
 import os
 
-from jax._src import dispatch
-from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as gpu_interpret
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import device
+from core import device, jax_private
 
 INTERPRET_ENV = "MGPU_INTERPRET"
 DETECT_RACES_ENV = "MGPU_DETECT_RACES"
@@ -84,8 +81,7 @@ def reset_after_failure() -> None:
   `io_callback`, whose token now carries the error and would fail every later
   kernel in this thread.
   """
-  gpu_interpret.reset_gpu_interpret_mode_state()
-  dispatch.runtime_tokens.clear()
+  jax_private.reset_gpu_interpreter()
 
 
 @contextlib.contextmanager
@@ -151,24 +147,10 @@ def race_log():
   Yields a list that gets each kernel's state as it starts; a state's
   `races_found` is final once its kernel is done.
   """
-  states = []
-  original = gpu_callbacks.GPURaceDetectionState
-
-  class _LoggedState(original):
-    def __init__(self, *args, **kwargs):
-      super().__init__(*args, **kwargs)
-      states.append(self)
-
-  gpu_callbacks.GPURaceDetectionState = _LoggedState
-  try:
+  with jax_private.recorded_race_states() as states:
     yield states
-  finally:
-    gpu_callbacks.GPURaceDetectionState = original
 
 
 def races_found() -> bool:
   """Whether the race detector flagged a race in the last interpreted kernel."""
-  # The interpreter keeps its race state in a module global, reset at the start
-  # of every kernel that runs with `detect_races=True`.
-  races = gpu_callbacks._races  # noqa: SLF001 - no public accessor in jax 0.11.2.
-  return races is not None and races.races_found
+  return jax_private.last_kernel_races_found()

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
-from core import device, interpret
+from core import device, interpret, jax_private
 from core.numerics import RELATIVE_TOLERANCE, elementwise_violations, relative_error
 
 BACKEND_ENV = "MGPU_TEST_BACKEND"
@@ -145,9 +145,7 @@ def mosaic_smem_bytes(fn, *args) -> int:
   Lowers `fn` for CUDA (this works on CPU, no GPU needed) under an artificial
   SMEM limit of zero and reads the size from Mosaic GPU's refusal.
   """
-  from jax.experimental.mosaic.gpu import core as mgpu_core  # Private in 0.11.2.
-
-  with interpret.interpret_disabled(), mgpu_core.artificial_shared_memory_limit(0):
+  with interpret.interpret_disabled(), jax_private.artificial_shared_memory_limit(0):
     try:
       jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     except ValueError as e:

@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax._src.pallas.mosaic_gpu.pallas_call import pallas_call as mgpu_pallas_call
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -35,6 +34,7 @@ from core import (
   accumulator,
   compiler_params,
   is_interpreting,
+  jax_private,
   sequential_grid_semantics,
   smem,
   tile_transforms,
@@ -107,7 +107,7 @@ def _lowering(delay_release: int) -> _Lowering:
     return _Lowering(accumulate=_dot_accumulate, tiled_smem=False,
                      pallas_call=functools.partial(pl.pallas_call, interpret=True))
   return _Lowering(accumulate=functools.partial(_wgmma_accumulate, delay_release=delay_release),
-                   tiled_smem=True, pallas_call=mgpu_pallas_call)
+                   tiled_smem=True, pallas_call=jax_private.mosaic_gpu_pallas_call)
 
 
 # The compatibility API gives the output block as many SMEM slots as the

@@ -107,9 +107,9 @@ def shutdown() -> None:
 
   # jax.distributed.shutdown stops rank 0's service at once; only its state
   # lets the service be stopped apart from the client.
-  from jax._src import distributed
+  from core import jax_private
 
-  service, distributed.global_state.service = distributed.global_state.service, None
+  service = jax_private.detach_coordination_service()
   jax.distributed.shutdown()
   if service is not None:
     _wait_for_peers_to_exit(PEER_EXIT_WAIT_S)
