@@ -1,7 +1,7 @@
 """The Mosaic ring kernel across devices: real GPUs (multi_gpu tag) or simulated CPU devices.
 
 On CPU the kernel runs in GPU interpret mode extended with semaphores and
-peer memory (`core.interpret_collectives`) on 2 and 4 of the 8 simulated
+peer memory (`simulator`) on 2 and 4 of the 8 simulated
 devices, with race detection across devices; two planted bugs must be
 caught: receivers that do not wait for the signal, and a sender that signals
 before its copies have landed. On GPUs it runs over every
@@ -17,9 +17,14 @@ import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
 import collectives
+import simulator
 from collectives import ring_matmul_sm90, sharding
-from core import interpret, interpret_collectives, testing
+from core import interpret, testing
 from pipelines import MatmulDimension, TuningConfig, matmul_reference
+
+# XLA sizes its CPU thread pool when jax starts the CPU backend, which no
+# import above does: size it for the simulated rings' waiting threads.
+simulator.reserve_intra_op_threads()
 
 SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_m=64,
                      epi_tile_n=32, grid_tile_width=2, wg_dimension=MatmulDimension.M)
@@ -43,7 +48,7 @@ class RingKernelTest(testing.KernelTestCase):
   def setUp(self):
     super().setUp()
     if self.backend == testing.INTERPRET:
-      self.enter_context(interpret_collectives.collective_interpret_mode(
+      self.enter_context(simulator.collective_interpret_mode(
           wait_timeout_s=WAIT_TIMEOUT_S))
 
   def simulated_devices(self, num_devices):
@@ -81,7 +86,7 @@ class RingKernelTest(testing.KernelTestCase):
     # No warning: every TMA copy had its own pseudo-thread, so the detector
     # cannot have mistaken the broken send for a completed one.
     with mock.patch.object(module, name, replacement), \
-        self.assertNoLogs(interpret_collectives.__name__, "WARNING"):
+        self.assertNoLogs(simulator.__name__, "WARNING"):
       run, args, _, _ = ring_problem(2, 128, 128, 64, jnp.float16, SMALL, seed=5)
       jax.block_until_ready(run(*args))
     self.assertTrue(interpret.races_found(), f"{name} was broken and no race was reported")

@@ -160,7 +160,7 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
   if interpreting and num_devices > 1 and not interpret.can_interpret_collectives():
     raise NotImplementedError(
         "the ring kernel on simulated devices needs semaphores and peer memory in interpret "
-        "mode: run it inside core.interpret_collectives.collective_interpret_mode()")
+        "mode: run it inside simulator.collective_interpret_mode()")
   if not interpreting:
     support = topology.mosaic_ring_support(num_devices)
     if not support.supported:

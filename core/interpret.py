@@ -118,7 +118,7 @@ _peers_simulated = False
 
 
 def mark_peers_simulated() -> None:
-  """Called by `core.interpret_collectives` once it has extended the interpreter."""
+  """Called by the simulator (`simulator.install`) once it has extended the interpreter."""
   global _peers_simulated
   _peers_simulated = True
 
@@ -126,8 +126,8 @@ def mark_peers_simulated() -> None:
 def can_interpret_collectives() -> bool:
   """Whether interpret mode can run semaphores and `plgpu.remote_ref` across devices.
 
-  Only after `core.interpret_collectives` is installed (its
-  `collective_interpret_mode()`); plain jax 0.11.2 cannot.
+  Only after the simulator is installed (`simulator.collective_interpret_mode()`);
+  plain jax 0.11.2 cannot.
   """
   return _peers_simulated
 

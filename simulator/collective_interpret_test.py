@@ -16,7 +16,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from core import interpret, interpret_collectives, testing
+import simulator
+from core import interpret, testing
+from simulator import thread_pool
+
+# XLA sizes its CPU thread pool when jax starts the CPU backend, which no
+# import above does: size it for the up to 24 waiting simulated threads below.
+simulator.reserve_intra_op_threads()
 
 AXIS = "x"
 ROWS, COLS = 16, 128  # One device's shard of a test input.
@@ -243,7 +249,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
     super().setUp()
     if jax.device_count("cpu") < 4:
       self.skipTest("needs XLA_FLAGS=--xla_force_host_platform_device_count=4 or more")
-    self.enter_context(interpret_collectives.collective_interpret_mode(wait_timeout_s=30))
+    self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=30))
 
   @parameterized.parameters(2, 4)
   def test_ring_shift(self, num_devices):
@@ -291,7 +297,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
         TimeoutError, r"(?s)^semaphore_wait .* on device [01] .*block 0.*"
         r"still waits after 0.5 s on semaphore \d+ .*wants a count >= 2, the count is 1"
     ) as caught:
-      with interpret_collectives.collective_interpret_mode(wait_timeout_s=0.5):
+      with simulator.collective_interpret_mode(wait_timeout_s=0.5):
         jax.block_until_ready(self._unsatisfiable_wait()(x))
     self.assertIsInstance(caught.exception.__cause__, jax.errors.JaxRuntimeError)
     # Leaving the block reset the interpreter.
@@ -301,7 +307,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
     # The README's pattern: the block only starts the kernel (dispatch is asynchronous).
     x = _sharded_input(2, _mesh(2))
     with self.assertRaisesRegex(TimeoutError, r"^semaphore_wait .*still waits after 0.5 s"):
-      with interpret_collectives.collective_interpret_mode(wait_timeout_s=0.5):
+      with simulator.collective_interpret_mode(wait_timeout_s=0.5):
         out = self._unsatisfiable_wait()(x)
     del out
     self._assert_interpreter_works()
@@ -309,7 +315,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
   def test_other_runtime_errors_pass_unchanged(self):
     error = jax.errors.JaxRuntimeError("INTERNAL: something else")
     with self.assertRaises(jax.errors.JaxRuntimeError) as caught:
-      with interpret_collectives.collective_interpret_mode():
+      with simulator.collective_interpret_mode():
         raise error
     self.assertIs(caught.exception, error)
 
@@ -339,7 +345,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
     # 24 simulated threads; before the pool was sized this timed out.
     mesh = _mesh(4)
     x = _sharded_input(5, mesh)
-    with interpret_collectives.collective_interpret_mode(wait_timeout_s=10):
+    with simulator.collective_interpret_mode(wait_timeout_s=10):
       (out,) = _run(_per_slot_waits(4, num_blocks=2), mesh, x, num_outputs=1)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
     self.assertFalse(interpret.races_found())
@@ -347,7 +353,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
   def test_too_small_xla_pool_is_refused(self):
     mesh = _mesh(4)
     x = _sharded_input(6, mesh)
-    with mock.patch.object(interpret_collectives, "intra_op_pool_size", return_value=8):
+    with mock.patch.object(thread_pool, "intra_op_pool_size", return_value=8):
       with self.assertRaisesRegex(
           NotImplementedError, r"24 concurrent simulated threads.*pool has only 8 threads"
           r".*PJRT_NPROC="):
@@ -356,18 +362,18 @@ class CollectiveInterpretTest(parameterized.TestCase):
   def test_warns_when_copies_outnumber_tma_threads(self):
     mesh = _mesh(2)
     x = _sharded_input(7, mesh)
-    with self.assertLogs(interpret_collectives.__name__, "WARNING") as logs, \
-        interpret_collectives.collective_interpret_mode(tma_threads_per_device=1):
+    with self.assertLogs(simulator.__name__, "WARNING") as logs, \
+        simulator.collective_interpret_mode(tma_threads_per_device=1):
       _run(_ring_shift(2), mesh, x, num_outputs=2)
     self.assertRegex(logs.output[0], "more than 2 TMA copies.*Raise tma_threads_per_device")
-    with self.assertNoLogs(interpret_collectives.__name__, "WARNING"):
+    with self.assertNoLogs(simulator.__name__, "WARNING"):
       _run(_ring_shift(2), mesh, x, num_outputs=2)
 
   def test_version_guard(self):
     with mock.patch.object(jax, "__version__", "0.12.0"):
       with self.assertRaisesRegex(
           NotImplementedError, r"jax 0\.11\.2; the installed jax is 0\.12\.0"):
-        with interpret_collectives.collective_interpret_mode():
+        with simulator.collective_interpret_mode():
           pass
 
 
