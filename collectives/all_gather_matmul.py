@@ -17,6 +17,7 @@ import logging
 import jax
 
 from collectives import operands, portable, ring_config, ring_matmul_sm90, topology
+from core import interpret
 from pipelines import TuningConfig, matmul
 from pipelines.operands import MatmulProblem
 
@@ -137,6 +138,21 @@ def choose_implementation(num_devices: int, requested: Implementation | str = Im
                                out_dtype=out_dtype, config=config)
 
 
+def _check_interpreter_runs_the_ring(num_devices: int) -> None:
+  """Raises NotImplementedError where interpret mode cannot run the ring over `num_devices`.
+
+  jax's GPU interpreter has neither semaphores nor peer memory; across
+  simulated devices the ring kernel runs only on the simulator's extension of
+  it, which tests install. Without it the kernel would fail only when it runs,
+  deep inside jax.
+  """
+  if (num_devices > 1 and interpret.is_interpreting()
+      and not interpret.can_interpret_collectives()):
+    raise NotImplementedError(
+        "the ring kernel on simulated devices needs semaphores and peer memory in interpret "
+        "mode: run it inside simulator.collective_interpret_mode()")
+
+
 def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
                       config: TuningConfig | None = None, dtype=None,
                       implementation: Implementation | str = Implementation.AUTO) -> jax.Array:
@@ -178,5 +194,6 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     case Implementation.LOCAL:
       return matmul(lhs, rhs, config=config, out_dtype=out_dtype)
     case _:
+      _check_interpreter_runs_the_ring(num_devices)
       return ring_matmul_sm90.all_gather_lhs_matmul(lhs, rhs, axis_name, config=choice.config,
                                                     dtype=out_dtype)

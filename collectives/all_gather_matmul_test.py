@@ -14,6 +14,7 @@ from absl.testing import absltest, parameterized
 
 import collectives
 from collectives import portable, ring_config, ring_matmul_sm90, sharding, topology
+from core import interpret
 from pipelines import MatmulDimension, TuningConfig
 from pipelines.operands import MatmulProblem
 
@@ -126,6 +127,10 @@ class DispatchTest(parameterized.TestCase):
         portable, "ring_all_gather_matmul", wraps=portable.ring_all_gather_matmul))
     self.all_gather = self.enter_context(mock.patch.object(
         portable, "all_gather_then_matmul", wraps=portable.all_gather_then_matmul))
+    # The recorder stands in for the ring kernel, so interpret mode may "run" it
+    # without the simulator; one test takes the simulator away.
+    self.can_interpret_collectives = self.enter_context(mock.patch.object(
+        interpret, "can_interpret_collectives", return_value=True))
 
   def trace(self, m_shard, k, n_shard, *, support, backend=None, **kwargs):
     """Traces `all_gather_matmul` and returns its debug log."""
@@ -170,6 +175,13 @@ class DispatchTest(parameterized.TestCase):
   def test_mosaic_refuses_shards_no_config_divides(self):
     with self.assertRaisesRegex(NotImplementedError, "M_shard=1000"):
       self.trace(1000, 256, 256, support=SUPPORTED, implementation="mosaic")
+
+  def test_simulated_ring_needs_the_collective_interpreter(self):
+    self.can_interpret_collectives.return_value = False
+    with interpret.interpret_mode(), \
+        self.assertRaisesRegex(NotImplementedError, "collective_interpret_mode"):
+      self.trace(128, 256, 256, support=SUPPORTED, implementation="mosaic")
+    self.assertEqual(self.ring_configs, [])
 
 
 if __name__ == "__main__":

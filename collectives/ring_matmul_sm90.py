@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from collectives import operands, schedule, topology
-from core import compiler_params, device_facts, interpret, interpret_params, is_interpreting
+from core import compiler_params, device_facts, interpret_params, is_interpreting
 from pipelines import TuningConfig, emit_ws_matmul
 from pipelines.config import NUM_COMPUTE_WGS
 from pipelines.ws_matmul_sm90 import SM_AXIS, WG_AXIS, check_config
@@ -157,10 +157,6 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=not interpreting)
   problem, out_dtype = operands.check_shards(lhs, rhs, dtype)
   check_ring_config(config, problem, out_dtype)
-  if interpreting and num_devices > 1 and not interpret.can_interpret_collectives():
-    raise NotImplementedError(
-        "the ring kernel on simulated devices needs semaphores and peer memory in interpret "
-        "mode: run it inside simulator.collective_interpret_mode()")
   if not interpreting:
     support = topology.mosaic_ring_support(num_devices)
     if not support.supported:

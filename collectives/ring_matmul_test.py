@@ -216,16 +216,6 @@ class LoweringAndValidationTest(parameterized.TestCase):
                                 delay_release=ring_matmul_sm90.SEND_DELAY_RELEASE)
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args), budget.total_bytes)
 
-  def test_simulated_ring_needs_the_collective_interpreter(self):
-    if jax.default_backend() == "gpu":
-      self.skipTest("checks interpret mode on CPU")
-    mesh, args = ring_spec(2, 128, 64, 64)
-    run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=SMALL)
-    with interpret.interpret_mode(), \
-        mock.patch.object(interpret, "can_interpret_collectives", return_value=False), \
-        self.assertRaisesRegex(NotImplementedError, "collective_interpret_mode"):
-      run.trace(*args)
-
   def test_bad_shapes_and_configs(self):
     cases = [
         ((100, 64, 64), SMALL, "M_shard .* must be a multiple of the CTA tile 128"),
