@@ -7,7 +7,7 @@ on Hopper GPUs that reach each other's memory, with a config that tiles the
 shards (`default_ring_config`); elsewhere `lax.all_gather` + one dot on GPUs
 (`all_gather_then_matmul`) and the XLA ring (`ring_all_gather_matmul`) on
 other backends. Only the Mosaic ring kernel builds on `pipelines`, through
-`emit_ws_matmul`'s `pipeline_callback` and `delay_release` hooks; the XLA
+`emit_cooperative_matmul`'s `pipeline_callback` and `delay_release` hooks; the XLA
 ring and `all_gather_then_matmul` multiply with `jnp.dot` (the XLA ring
 accepts `config` for the same signature and ignores it).
 """

@@ -1,6 +1,6 @@
 """The ring kernel's default config: what the ring needs of a warp-specialized matmul config.
 
-The ring (`ring_matmul_sm90`) runs `emit_ws_matmul` once per shard and sends
+The ring (`ring_matmul_sm90`) runs `emit_cooperative_matmul` once per shard and sends
 on the LHS tiles its pipeline loads (`pipeline_callback`). So its config must
   * use the cooperative schedule and no split K: the tiles are sent from the
     cooperative pipeline's slots, and one block must load a tile's whole K

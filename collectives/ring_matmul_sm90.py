@@ -31,10 +31,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from collectives import operands, schedule, topology
-from core import compiler_params, device_facts, interpret_params, is_interpreting
-from pipelines import TuningConfig, emit_ws_matmul
-from pipelines.config import NUM_COMPUTE_WGS
-from pipelines.ws_matmul_sm90 import SM_AXIS, WG_AXIS, check_config
+from core import device_facts, is_interpreting
+from pipelines import (
+    WG_AXIS,
+    TuningConfig,
+    check_ws_config,
+    emit_cooperative_matmul,
+    persistent_kernel,
+)
 
 # The slot of a forwarded LHS tile stays alive one extra pipeline step, which
 # is the time its TMA copy to the peer gets to read it.
@@ -54,7 +58,7 @@ def check_ring_config(config: TuningConfig, problem, out_dtype) -> None:
                            ("N_shard (rhs.shape[1])", problem.n, config.cta_tile_n)):
     if size % tile:
       raise ValueError(f"{name}={size} must be a multiple of the CTA tile {tile} of {config}")
-  check_config(config, problem, out_dtype, delay_release=SEND_DELAY_RELEASE)
+  check_ws_config(config, problem, out_dtype, delay_release=SEND_DELAY_RELEASE)
 
 
 def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, enabled):
@@ -89,7 +93,7 @@ def _ring_kernel(lhs_gmem, rhs_gmem, out_gmem, recv_gmem, *, axis_name, num_devi
   if num_devices == 1:
     # Nothing to gather, and no peer: keep remote refs and semaphores out of
     # the kernel so that it runs where peer access does not exist.
-    emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config)
+    emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config)
     return
   m_shard = lhs_gmem.shape[0]
   # received.at[slot] counts the sender's blocks whose part of the slot landed.
@@ -106,8 +110,9 @@ def _ring_kernel(lhs_gmem, rhs_gmem, out_gmem, recv_gmem, *, axis_name, num_devi
     send = forward_lhs_tiles(peer_recv_gmem.at[schedule.send_slot(step)],
                              cta_tile_m=config.cta_tile_m, tile_k=config.tile_k,
                              enabled=is_sender_wg & sends)
-    emit_ws_matmul(lhs_src_gmem, rhs_gmem, out_gmem.at[pl.ds(shard * m_shard, m_shard)],
-                   config=config, pipeline_callback=send, delay_release=SEND_DELAY_RELEASE)
+    emit_cooperative_matmul(lhs_src_gmem, rhs_gmem,
+                            out_gmem.at[pl.ds(shard * m_shard, m_shard)], config=config,
+                            pipeline_callback=send, delay_release=SEND_DELAY_RELEASE)
 
     @pl.when(is_sender_wg & sends)
     def _signal():
@@ -165,7 +170,7 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
                                 "portable XLA ring")
   num_tiles = (problem.m // config.cta_tile_m) * (problem.n // config.cta_tile_n)
   num_blocks = min(device_facts().sm_count, num_tiles)
-  kernel = plgpu.kernel(
+  kernel = persistent_kernel(
       functools.partial(_ring_kernel, axis_name=axis_name, num_devices=num_devices,
                         num_blocks=num_blocks, config=config),
       out_type=(
@@ -174,13 +179,8 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
           jax.ShapeDtypeStruct((max(schedule.num_scratch_slots(num_devices), 1), problem.m,
                                 problem.k), problem.dtype),
       ),
-      grid=(num_blocks,),
-      grid_names=(SM_AXIS,),
-      num_threads=NUM_COMPUTE_WGS + 1,
-      thread_name=WG_AXIS,
-      compiler_params=compiler_params(),
-      interpret=interpret_params(),
-      kernel_name="ring_all_gather_matmul",
+      num_blocks=num_blocks,
+      name="ring_all_gather_matmul",
   )
   out, _ = kernel(lhs, rhs)
   return out

@@ -15,22 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import collectives
 from collectives import ring_matmul_sm90, sharding, topology
-from core import interpret, interpret_params, testing
+from core import interpret, testing
 from pipelines import (
+  WG_AXIS,
   MatmulDimension,
   Schedule,
   TuningConfig,
   default_config,
-  emit_ws_matmul,
+  emit_cooperative_matmul,
   matmul_reference,
+  persistent_kernel,
+  ws_smem_budget,
 )
-from pipelines.config import NUM_COMPUTE_WGS
 from pipelines.operands import MatmulProblem
-from pipelines.ws_matmul_sm90 import SM_AXIS, WG_AXIS
 
 SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_m=64,
                      epi_tile_n=32, grid_tile_width=2, wg_dimension=MatmulDimension.M)
@@ -42,17 +42,16 @@ def matmul_forwarding_lhs(lhs, rhs, *, config: TuningConfig, num_blocks: int):
     sender = jax.lax.axis_index(WG_AXIS) == ring_matmul_sm90.SENDER_WG
     forward = ring_matmul_sm90.forward_lhs_tiles(
         lhs_copy_gmem, cta_tile_m=config.cta_tile_m, tile_k=config.tile_k, enabled=sender)
-    emit_ws_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config, pipeline_callback=forward,
-                   delay_release=ring_matmul_sm90.SEND_DELAY_RELEASE)
+    emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config,
+                            pipeline_callback=forward,
+                            delay_release=ring_matmul_sm90.SEND_DELAY_RELEASE)
 
   (m, k), n = lhs.shape, rhs.shape[1]
-  return plgpu.kernel(
+  return persistent_kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((m, n), lhs.dtype), jax.ShapeDtypeStruct((m, k), lhs.dtype)),
-      grid=(num_blocks,), grid_names=(SM_AXIS,), num_threads=NUM_COMPUTE_WGS + 1,
-      thread_name=WG_AXIS, interpret=interpret_params(),
+      num_blocks=num_blocks, name="matmul_forwarding_lhs",
   )(lhs, rhs)
-
 
 
 class ForwardLhsTilesTest(testing.KernelTestCase):
@@ -212,8 +211,9 @@ class LoweringAndValidationTest(parameterized.TestCase):
     args = (jax.ShapeDtypeStruct((1024, 2048), jnp.float16),
             jax.ShapeDtypeStruct((2048, 1024), jnp.float16))
     fn = functools.partial(matmul_forwarding_lhs, config=config, num_blocks=8)
-    budget = config.smem_budget(2048, jnp.float16, jnp.float16,
-                                delay_release=ring_matmul_sm90.SEND_DELAY_RELEASE)
+    problem = MatmulProblem(m=1024, k=2048, n=1024, dtype=jnp.dtype(jnp.float16))
+    budget = ws_smem_budget(config, problem, jnp.float16,
+                            delay_release=ring_matmul_sm90.SEND_DELAY_RELEASE)
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args), budget.total_bytes)
 
   def test_bad_shapes_and_configs(self):

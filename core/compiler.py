@@ -25,6 +25,9 @@ from collections.abc import Sequence
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+# Mosaic GPU tracks the phases of an array of barriers in one 32-bit mask.
+MAX_BARRIERS_PER_ARRAY = 32
+
 PROFILE_DIR_ENV = "MGPU_PROFILE_DIR"
 PROFILE_SPACE_ENV = "MGPU_PROFILE_SPACE"
 DEFAULT_PROFILE_SPACE = 64

@@ -20,6 +20,13 @@ HOPPER_COMPUTE_CAPABILITY = (9, 0)
 HOPPER_SM_COUNT = 132  # H100 SXM and H200 SXM.
 HOPPER_SMEM_PER_BLOCK_BYTES = 232448  # 227 KiB, the opt-in per-block limit.
 HOPPER_DENSE_16BIT_FLOPS = 989.4e12  # SXM datasheet, dense f16/bf16 with f32 accumulation.
+# wgmma: one warpgroup (4 warps) computes a (64k, n) tile, n a multiple of 8 up
+# to 256, consuming 16 elements of K per instruction with 16-bit operands.
+WARPGROUP_THREADS = 128
+WGMMA_M = 64
+WGMMA_N_MULTIPLE = 8
+WGMMA_MAX_N = 256
+WGMMA_K_16BIT = 16
 
 # cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).
 _CU_ATTR_SMEM_PER_BLOCK_OPTIN = 97

@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from core.device import WGMMA_M, WGMMA_N_MULTIPLE
+
 GMEM = plgpu.GMEM
 SMEM = plgpu.SMEM
 TMEM = plgpu.TMEM
@@ -89,8 +91,8 @@ def smem(shape: tuple[int, ...], dtype, *, swizzled: bool = False):
 def accumulator(shape: tuple[int, int]):
   """A float32 wgmma accumulator in registers (its own `pl.run_scoped`!)."""
   m, n = shape
-  if m % 64 or n % 8:
-    raise ValueError(f"wgmma accumulator must be (64k, 8j), got {shape}")
+  if m % WGMMA_M or n % WGMMA_N_MULTIPLE:
+    raise ValueError(f"wgmma accumulator must be ({WGMMA_M}k, {WGMMA_N_MULTIPLE}j), got {shape}")
   return plgpu.ACC(shape, jnp.float32)
 
 

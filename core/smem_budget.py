@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import device
 
@@ -65,6 +67,32 @@ class SmemBudget:
   def total_bytes(self) -> int:
     largest = max((sum(b.nbytes for b in phase) for phase in self.phases), default=0)
     return largest + self.num_barriers * MBARRIER_BYTES
+
+  @classmethod
+  def of_scratch(cls, scratch: dict, *, labels: dict[str, tuple[str, ...]] | None = None
+                 ) -> SmemBudget:
+    """The budget of a kernel's scratch declaration: what it passes to `pl.run_scoped`.
+
+    Args:
+      scratch: name -> a pytree of `plgpu.SMEM` allocations and `plgpu.Barrier`s
+        (all alive at once).
+      labels: names for the SMEM leaves of a multi-leaf entry, in order (by
+        default `name[i]`).
+    """
+    buffers, num_barriers = [], 0
+    for name, allocation in scratch.items():
+      leaves = jax.tree.leaves(allocation)
+      smem_leaves = [leaf for leaf in leaves if not isinstance(leaf, plgpu.Barrier)]
+      names = (labels or {}).get(name) or (
+          (name,) if len(smem_leaves) == 1
+          else tuple(f"{name}[{i}]" for i in range(len(smem_leaves))))
+      num_barriers += sum(math.prod(leaf.num_barriers) for leaf in leaves
+                          if isinstance(leaf, plgpu.Barrier))
+      for label, leaf in zip(names, smem_leaves, strict=True):
+        if leaf.memory_space != plgpu.SMEM:
+          raise ValueError(f"scratch {name!r} holds {leaf.memory_space}, not SMEM")
+        buffers.append(SmemBuffer(name=label, shape=tuple(leaf.shape), dtype=leaf.dtype))
+    return cls(phases=(tuple(buffers),), num_barriers=num_barriers)
 
   def describe(self) -> str:
     parts = [" + ".join(b.describe() for b in phase) for phase in self.phases]

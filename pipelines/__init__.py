@@ -1,16 +1,37 @@
 """Hopper matmuls: the emit_pipeline kernel, the warp-specialized persistent
-kernel (`matmul`), their configs, references and autotuning."""
+kernel (`matmul`), their configs, references and autotuning.
+
+Where things live: `matmul.py` (the public entry), `heuristic.py` (configs
+without tuning), `kernel_call.py` (the one wrapper: validation, padding, the
+kernel call), `*_sm90.py` (the kernel bodies), `config.py`, `operands.py`,
+`epilogue.py`, `reference.py`, `autotune.py` and `tuning_cache.py`.
+
+The hook contract for kernels built on the cooperative body (the ring
+all-gather matmul in `collectives`): `emit_cooperative_matmul` with a
+`PipelineCallback` and `delay_release`, inside a `persistent_kernel` (grid
+axis `SM_AXIS`, thread axis `WG_AXIS`), its config checked by
+`check_ws_config`.
+"""
 
 from pipelines.config import MatmulDimension, PipelinedConfig, Schedule, TuningConfig
+from pipelines.cooperative_matmul_sm90 import PipelineCallback, emit_cooperative_matmul
 from pipelines.epilogue import Epilogue
-from pipelines.matmul import default_config, matmul
+from pipelines.heuristic import default_config
+from pipelines.kernel_call import (
+    check_ws_config,
+    persistent_kernel,
+    pipelined_matmul,
+    ws_matmul,
+    ws_smem_budget,
+)
+from pipelines.matmul import matmul
 from pipelines.pallas_call_matmul import pallas_call_matmul
-from pipelines.pipelined_matmul import pipelined_matmul
+from pipelines.persistent_sm90 import SM_AXIS, WG_AXIS
 from pipelines.reference import matmul_reference
-from pipelines.ws_matmul_sm90 import emit_ws_matmul, ws_matmul
 
 __all__ = [
-    "Epilogue", "MatmulDimension", "PipelinedConfig", "Schedule", "TuningConfig", "default_config",
-    "emit_ws_matmul", "matmul", "matmul_reference", "pallas_call_matmul", "pipelined_matmul",
-    "ws_matmul",
+    "SM_AXIS", "WG_AXIS", "Epilogue", "MatmulDimension", "PipelineCallback", "PipelinedConfig",
+    "Schedule", "TuningConfig", "check_ws_config", "default_config", "emit_cooperative_matmul",
+    "matmul", "matmul_reference", "pallas_call_matmul", "persistent_kernel", "pipelined_matmul",
+    "ws_matmul", "ws_smem_budget",
 ]

@@ -20,7 +20,7 @@ import jax
 
 from core import timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
-from pipelines import operands, tuning_cache, ws_matmul_sm90
+from pipelines import kernel_call, operands, tuning_cache
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.reference import matmul_reference
 
@@ -107,7 +107,7 @@ def _split_feasible(problem: operands.MatmulProblem, out_dtype,
   for config in space.configs() if isinstance(space, SearchSpace) else space:
     try:
       # Against the K that `ws_matmul` pads to, as it checks the config itself.
-      ws_matmul_sm90.check_config(
+      kernel_call.check_ws_config(
           config, operands.pad_k(problem, config.tile_k * config.k_splits), out_dtype)
     except ValueError as e:
       infeasible.append(Candidate(config=config, median_us=None,
@@ -183,7 +183,7 @@ def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
   results = []
   for i, config in enumerate(configs):
     def run(a, b, config=config):
-      return ws_matmul_sm90.ws_matmul(a, b, config=config, out_dtype=out_dtype)
+      return kernel_call.ws_matmul(a, b, config=config, out_dtype=out_dtype)
     try:
       err = relative_error(run(lhs, rhs), reference)
       if not err <= tolerance:

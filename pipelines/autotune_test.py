@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from absl.testing import absltest
 
 from core import interpret_mode, testing
-from pipelines import autotune, matmul, tuning_cache, ws_matmul_sm90
+from pipelines import autotune, kernel_call, matmul, tuning_cache
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.operands import MatmulProblem
 from pipelines.reference import matmul_reference
@@ -49,8 +49,8 @@ class AutotuneTest(absltest.TestCase):
     # tile_n=512 is not a valid config; 9 steps clamp to 2 K steps (same SMEM).
     self.assertEqual({(c.tile_n, c.max_concurrent_steps) for c in feasible}, {(64, 2), (64, 9)})
     fake_times = iter([5.0, 3.0])
-    kernel = mock.Mock(wraps=ws_matmul_sm90.ws_matmul)
-    with interpret_mode(detect_races=False), mock.patch.object(ws_matmul_sm90, "ws_matmul",
+    kernel = mock.Mock(wraps=kernel_call.ws_matmul)
+    with interpret_mode(detect_races=False), mock.patch.object(kernel_call, "ws_matmul",
                                                                kernel):
       sweep = autotune.tune(self.lhs, self.rhs, space=TINY_SPACE,
                             timer=lambda fn, args: next(fake_times), store=True, log=self.log)
@@ -62,7 +62,7 @@ class AutotuneTest(absltest.TestCase):
     self.assertEqual(tuning_cache.lookup(problem, jnp.float16), sweep.best.config)
 
   def test_rejected_configs_are_kept_apart_from_the_timed_ones(self):
-    with mock.patch.object(ws_matmul_sm90, "ws_matmul", fake_ws_matmul):
+    with mock.patch.object(kernel_call, "ws_matmul", fake_ws_matmul):
       sweep = autotune.tune(self.lhs, self.rhs, space=[WRONG, BROKEN, GOOD],
                             timer=lambda fn, args: 1.0, log=self.log)
     self.assertEqual([c.config for c in sweep.timed], [GOOD])
@@ -76,7 +76,7 @@ class AutotuneTest(absltest.TestCase):
     also_wrong = dataclasses.replace(WRONG, max_concurrent_steps=5)
     # The LHS and RHS tiles would need different swizzles: rejected without running.
     infeasible = TuningConfig(tile_m=64, tile_n=64, tile_k=16, epi_tile_m=64, epi_tile_n=32)
-    with (mock.patch.object(ws_matmul_sm90, "ws_matmul", fake_ws_matmul),
+    with (mock.patch.object(kernel_call, "ws_matmul", fake_ws_matmul),
           self.assertRaises(autotune.TuningError) as raised):
       autotune.tune(self.lhs, self.rhs, space=[WRONG, BROKEN, also_wrong, infeasible],
                     timer=lambda fn, args: 1.0, store=True, log=self.log)
@@ -98,7 +98,7 @@ class AutotuneTest(absltest.TestCase):
       autotune.tune(lhs, rhs, space=[GOOD], timer=lambda fn, args: 1.0, log=self.log)
       return lhs
 
-    with (mock.patch.object(ws_matmul_sm90, "ws_matmul", kernel),
+    with (mock.patch.object(kernel_call, "ws_matmul", kernel),
           self.assertRaisesRegex(ValueError, r"lhs is a traced value .*jax\.jit")):
       jax.jit(under_jit)(self.lhs, self.rhs)
     kernel.assert_not_called()
@@ -111,7 +111,7 @@ class AutotuneTest(absltest.TestCase):
     problem = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16))
     with (mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: f"{blocker}/cache.json"}),
           mock.patch.object(tempfile, "tempdir", fallback_dir),
-          mock.patch.object(ws_matmul_sm90, "ws_matmul", fake_ws_matmul),
+          mock.patch.object(kernel_call, "ws_matmul", fake_ws_matmul),
           self.assertLogs("pipelines.tuning_cache", "WARNING") as logs):
       sweep = autotune.tune(self.lhs, self.rhs, space=[GOOD], timer=lambda fn, args: 2.0,
                             store=True, log=self.log)
@@ -127,7 +127,7 @@ class AutotuneTest(absltest.TestCase):
     pathlib.Path(blocker).write_text("")
     with (mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: f"{blocker}/cache.json"}),
           mock.patch.object(tempfile, "tempdir", blocker),
-          mock.patch.object(ws_matmul_sm90, "ws_matmul", fake_ws_matmul),
+          mock.patch.object(kernel_call, "ws_matmul", fake_ws_matmul),
           self.assertLogs("pipelines.autotune", "WARNING") as logs):
       sweep = autotune.tune(self.lhs, self.rhs, space=[GOOD], timer=lambda fn, args: 2.0,
                             store=True, log=self.log)

@@ -2,7 +2,8 @@
 
 Each config checks what it can know alone (positive tiles, multiples the
 hardware needs); the wrappers check it against the problem and the SMEM budget
-(`smem_budget(...)` here) before anything is compiled.
+(`kernel_call.check_ws_config`, `PipelinedConfig.smem_budget`) before anything
+is compiled.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ import enum
 import jax.numpy as jnp
 
 from core import PipelineOptions, SmemBudget, SmemBuffer, swizzle_bytes
+from core.compiler import MAX_BARRIERS_PER_ARRAY
+from core.device import (
+    WARPGROUP_THREADS,
+    WGMMA_K_16BIT,
+    WGMMA_M,
+    WGMMA_MAX_N,
+    WGMMA_N_MULTIPLE,
+)
 
-# wgmma: one warpgroup computes a (64k, n) tile with n a multiple of 8, n <= 256.
-WGMMA_M = 64
-WGMMA_N_MULTIPLE = 8
-WGMMA_MAX_N = 256
-# One wgmma consumes 16 elements of K per instruction (16-bit operands).
-K_MULTIPLE = 16
+# K must be whole wgmma K steps.
+K_MULTIPLE = WGMMA_K_16BIT
 OPERAND_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 # The compute warpgroups of the warp-specialized kernel (plus one memory warpgroup).
 NUM_COMPUTE_WGS = 2
@@ -28,9 +33,6 @@ NUM_COMPUTE_WGS = 2
 # one warpgroup at most 255): 64x256 (128) and 128x192 (192) tiles run at full
 # speed on an H200; 128x256 (256) spills and runs at a fifth of that.
 MAX_ACCUMULATOR_REGISTERS = 192
-WARPGROUP_THREADS = 128
-# Mosaic GPU tracks the phases of an array of barriers in one 32-bit mask.
-MAX_BARRIERS_PER_ARRAY = 32
 
 
 class MatmulDimension(enum.IntEnum):
@@ -90,7 +92,9 @@ class PipelinedConfig:
   Attributes:
     tile_m, tile_n, tile_k: block of the output and the K step.
     max_concurrent_steps: SMEM slots per operand (clamped to the K steps).
-    delay_release: wgmma groups left in flight per step (0 or 1).
+    delay_release: wgmma groups left in flight per step (0 up to
+      max_concurrent_steps - 1): the pipeline holds each slot that many extra
+      steps before refilling it.
   """
 
   tile_m: int = 128
@@ -226,12 +230,6 @@ class TuningConfig:
   def _split(self, dimension: MatmulDimension) -> bool:
     return self.schedule == Schedule.COOPERATIVE and self.wg_dimension == dimension
 
-  def operand_slots(self, k: int) -> int:
-    """SMEM slots per operand for K = `k` (see `max_concurrent_steps`)."""
-    if self.schedule == Schedule.PINGPONG:
-      return self.max_concurrent_steps
-    return min(self.max_concurrent_steps, k // self.tile_k // self.k_splits)
-
   def store_dtype(self, out_dtype) -> jnp.dtype:
     """What the kernel stores: `out_dtype`, or float32 partials when K is split."""
     return jnp.dtype(jnp.float32 if self.k_splits > 1 else out_dtype)
@@ -252,30 +250,6 @@ class TuningConfig:
   def epilogue_slots(self) -> int:
     """SMEM staging slots per warpgroup: 2 lets one store drain while the next fills."""
     return min(2, (self.tile_m // self.epi_tile_m) * (self.tile_n // self.epi_tile_n))
-
-  def smem_budget(self, k: int, dtype, out_dtype, *, has_bias: bool = False,
-                  delay_release: int = 0) -> SmemBudget:
-    """SMEM this config allocates for K = `k` (all of it alive at once)."""
-    slots = self.operand_slots(k)
-    has_bias = has_bias and self.fuses_epilogue
-    buffers = [
-        SmemBuffer(name="lhs_smem", shape=(self.cta_tile_m, self.tile_k), dtype=dtype,
-                   copies=slots),
-        SmemBuffer(name="rhs_smem", shape=(self.tile_k, self.cta_tile_n), dtype=dtype,
-                   copies=slots),
-        SmemBuffer(name="out_smem", shape=(self.epi_tile_m, self.epi_tile_n),
-                   dtype=self.store_dtype(out_dtype),
-                   copies=NUM_COMPUTE_WGS * self.epilogue_slots),
-    ]
-    if has_bias:
-      buffers.append(SmemBuffer(name="bias_smem", shape=(self.tile_n,), dtype=jnp.float32,
-                                copies=NUM_COMPUTE_WGS))
-    # The slots' barriers; per compute warpgroup one for its bias load; with
-    # delayed release, one that says a tile's slots are all free again.
-    return SmemBudget(phases=(tuple(buffers),),
-                      num_barriers=(2 * self.slot_barrier_sets * slots
-                                    + (NUM_COMPUTE_WGS if has_bias else 0)
-                                    + (1 if delay_release else 0)))
 
 
 def check_operand_dtype(name: str, dtype) -> jnp.dtype:

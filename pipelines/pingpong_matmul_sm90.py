@@ -1,6 +1,7 @@
-"""The ping-pong schedule of the warp-specialized persistent matmul (sm_90).
+"""The ping-pong schedule of the warp-specialized persistent matmul (sm_90): the kernel body.
 
-Same grid, tile order, warpgroups and epilogue as `ws_matmul_sm90`, but the
+Same grid, tile order and warpgroups (`persistent_sm90`) and epilogue as the
+cooperative schedule (`cooperative_matmul_sm90`), but the
 two compute warpgroups do not split a CTA tile: each block's tiles go to them
 alternately (its local tile j to warpgroup j % 2), and each warpgroup
 accumulates a whole (tile_m, tile_n) tile. The memory warpgroup fills one
@@ -30,56 +31,64 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from core import accumulator, barrier, smem
 from pipelines.config import NUM_COMPUTE_WGS, TuningConfig
 from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
+from pipelines.persistent_sm90 import (
+    MEMORY_WG_REGISTERS,
+    SM_AXIS,
+    WG_AXIS,
+    compute_registers,
+    for_each_work_item,
+)
 
 # The copies that arrive on a slot's "loaded" barrier: the LHS and RHS tiles.
 _COPIES_PER_SLOT = 2
 
 
-def compute_registers(memory_registers: int) -> int:
-  """Registers per thread left to each compute warpgroup (a multiple of 8, at most 256).
+def pingpong_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool) -> dict:
+  """The SMEM `emit_pingpong_matmul` allocates for K = `k`, by name.
 
-  A block has 64K registers, 512 per thread of one warpgroup; the memory
-  warpgroup keeps `memory_registers` of them.
+  The kernel allocates exactly this, and `kernel_call.ws_smem_budget` sums
+  it. One ring of `max_concurrent_steps` slots per operand, not clamped to
+  a tile's K steps: the ring runs across tiles.
   """
-  return min(256, (512 - memory_registers) // NUM_COMPUTE_WGS) // 8 * 8
+  del k  # The ring does not depend on K.
+  slots = config.max_concurrent_steps
+  return dict(
+      lhs_smem=smem((slots, config.tile_m, config.tile_k), dtype, swizzled=True),
+      rhs_smem=smem((slots, config.tile_k, config.tile_n), dtype, swizzled=True),
+      # Warpgroup w's barriers for slot s are number w * slots + s.
+      loaded=barrier(num_barriers=config.slot_barrier_sets * slots,
+                     num_arrivals=_COPIES_PER_SLOT),
+      consumed=barrier(num_barriers=config.slot_barrier_sets * slots),
+      **epilogue_scratch(config, out_dtype, has_bias=has_bias),
+  )
 
 
 def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: TuningConfig,
-                         epilogue: Epilogue = Epilogue(), sm_axis: str, wg_axis: str,
-                         memory_registers: int) -> None:
+                         epilogue: Epilogue = Epilogue()) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + bias_gmem)` inside a kernel.
 
-  Must be called from a `plgpu.kernel` with grid axis `sm_axis` (at most one
-  block per output tile) and three threads on axis `wg_axis`. Shapes as for
-  `ws_matmul_sm90.emit_ws_matmul`: static; M and N may be ragged (TMA masks
-  the edge tiles); K a multiple of `config.tile_k`.
+  Must be called from a kernel built by `kernel_call.persistent_kernel`
+  (grid axis `SM_AXIS`, at most one block per output tile, three threads on
+  `WG_AXIS`). Shapes as for `cooperative_matmul_sm90.emit_cooperative_matmul`:
+  static; M and N may be ragged (TMA masks the edge tiles); K a multiple of
+  `config.tile_k`.
 
   Args:
     lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref; out_gmem: (M, N) ref.
     bias_gmem: (N,) float32 ref, or None.
     config: a `TuningConfig` with `schedule=Schedule.PINGPONG`.
-    memory_registers: registers per thread the memory warpgroup keeps.
   """
   m, k = lhs_gmem.shape
   n = rhs_gmem.shape[1]
-  dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   m_tiles, n_tiles, k_steps = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n), k // tile_k
-  slots = config.operand_slots(k)  # Not clamped to k_steps: the ring spans tiles.
+  slots = config.max_concurrent_steps
   # A step's slot goes back to the memory warpgroup once the wgmma reading it
   # is done. Leaving one wgmma in flight releases the previous step's slot,
   # which the next load may need only if the ring has two slots or more.
   in_flight = 1 if slots > 1 else 0
-
-  scratch = dict(
-      lhs_smem=smem((slots, tile_m, tile_k), dtype, swizzled=True),
-      rhs_smem=smem((slots, tile_k, tile_n), dtype, swizzled=True),
-      # Warpgroup w's barriers for slot s are number w * slots + s.
-      loaded=barrier(num_barriers=config.slot_barrier_sets * slots,
-                     num_arrivals=_COPIES_PER_SLOT),
-      consumed=barrier(num_barriers=config.slot_barrier_sets * slots),
-      **epilogue_scratch(config, out_dtype, has_bias=bias_gmem is not None),
-  )
+  scratch = pingpong_scratch(config, lhs_gmem.dtype, out_gmem.dtype, k=k,
+                             has_bias=bias_gmem is not None)
 
   def tile_loop(body):
     """Runs `body(owner, first_position, m_tile, n_tile)` for each of this block's tiles.
@@ -88,13 +97,9 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
     the K steps of the block's tiles in order; `first_position` is that of
     the tile's first step.
     """
-    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes=sm_axis)
-    def _loop(loop_info: plgpu.NDLoopInfo):
-      (linear,) = loop_info.index
-      local = loop_info.local_index
-      m_tile, n_tile = plgpu.planar_snake(linear, (m_tiles, n_tiles), config.grid_minor_dim,
-                                          config.grid_tile_width)
+    def work_item(_, m_tile, n_tile, local):
       body(local % NUM_COMPUTE_WGS, local * k_steps, m_tile, n_tile)
+    for_each_work_item(config, m_tiles, n_tiles, work_item)
 
   def slot_of(position):
     return lax.rem(position, slots)
@@ -105,13 +110,13 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
       owner = lax.rem(lax.div(position, k_steps), NUM_COMPUTE_WGS)
     return owner * slots + slot_of(position)
 
-  @functools.partial(pl.run_scoped, **scratch, collective_axes=wg_axis)
+  @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
   def _scope(lhs_smem, rhs_smem, out_smem, loaded, consumed, bias_smem=None, bias_loaded=None):
-    wg = lax.axis_index(wg_axis)
+    wg = lax.axis_index(WG_AXIS)
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory_warpgroup():
-      plgpu.set_max_registers(memory_registers, action="decrease")
+      plgpu.set_max_registers(MEMORY_WG_REGISTERS, action="decrease")
 
       def load_tile(owner, first_position, m_tile, n_tile):
         @pl.loop(0, k_steps)
@@ -133,8 +138,8 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
       tile_loop(load_tile)
       # Wait for the releases of the last positions too, so that no barrier
       # is left mid-phase when the kernel ends.
-      num_local_tiles = pl.cdiv(m_tiles * n_tiles - lax.axis_index(sm_axis),
-                                lax.axis_size(sm_axis))
+      num_local_tiles = pl.cdiv(m_tiles * n_tiles - lax.axis_index(SM_AXIS),
+                                lax.axis_size(SM_AXIS))
       end = num_local_tiles * k_steps
 
       @pl.loop(0, slots)
@@ -147,7 +152,7 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute_warpgroup():
-      plgpu.set_max_registers(compute_registers(memory_registers), action="increase")
+      plgpu.set_max_registers(compute_registers(), action="increase")
 
       def compute_tile(owner, first_position, m_tile, n_tile):
         @pl.when(owner == wg)

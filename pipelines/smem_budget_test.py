@@ -16,7 +16,9 @@ from pipelines import (
     pallas_call_matmul,
     pipelined_matmul,
     ws_matmul,
+    ws_smem_budget,
 )
+from pipelines.operands import MatmulProblem
 from pipelines.pallas_call_matmul import DEFAULT_CONFIG as PALLAS_CALL_DEFAULT
 
 S = jax.ShapeDtypeStruct
@@ -56,9 +58,9 @@ class SmemModelTest(parameterized.TestCase):
     fn = functools.partial(ws_matmul, config=config, epilogue=epilogue, out_dtype=out_dtype)
     args = [S((1024, 4096), jnp.bfloat16), S((4096, 2048), jnp.bfloat16)]
     args += [S((2048,), jnp.bfloat16)] if has_bias else []
+    problem = MatmulProblem(m=1024, k=4096, n=2048, dtype=jnp.dtype(jnp.bfloat16))
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
-                     config.smem_budget(4096, jnp.bfloat16, out_dtype,
-                                        has_bias=has_bias).total_bytes)
+                     ws_smem_budget(config, problem, out_dtype, has_bias=has_bias).total_bytes)
 
   @parameterized.parameters(
       (PALLAS_CALL_DEFAULT, 4096, jnp.float16),

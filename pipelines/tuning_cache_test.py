@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest
 
-from pipelines import tuning_cache, ws_matmul_sm90
+from pipelines import kernel_call, tuning_cache
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.operands import MatmulProblem
 
@@ -249,7 +249,7 @@ class ShippedCacheTest(absltest.TestCase):
         dtype, out_dtype = dtypes.split("->")
         problem = MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(dtype))
         self.assertEqual(tuning_cache.cache_key(problem, out_dtype, device_kind=kind), key)
-        ws_matmul_sm90.check_config(tuning_cache._entry_config(entry), problem, out_dtype)
+        kernel_call.check_ws_config(tuning_cache._entry_config(entry), problem, out_dtype)
 
 
 if __name__ == "__main__":

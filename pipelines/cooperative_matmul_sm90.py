@@ -1,0 +1,190 @@
+"""The cooperative schedule of the warp-specialized persistent matmul (sm_90): the kernel body.
+
+Both compute warpgroups of a block work on one CTA tile, each accumulating
+its (tile_m, tile_n) half along `config.wg_dimension` with wgmma, while the
+memory warpgroup (`plgpu.emit_pipeline_warp_specialized`) keeps
+`max_concurrent_steps` SMEM slots of operand tiles in flight with TMA. Then
+both run the fused epilogue (`epilogue.store_epilogue`). Grid, thread axes
+and tile order: `persistent_sm90`.
+
+With `config.k_splits` > 1 (split-K, for outputs with too few tiles to
+occupy the SMs) the work items are (K range, output tile) pairs and the
+kernel stores float32 partial tiles; the wrapper (`kernel_call.ws_matmul`)
+sums them.
+
+`emit_cooperative_matmul` is also a building block: the ring all-gather
+matmul calls it inside its own kernel and hooks into the pipeline with
+`pipeline_callback` and `delay_release`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from core import accumulator, barrier, tile_transforms
+from pipelines.config import NUM_COMPUTE_WGS, MatmulDimension, Schedule, TuningConfig
+from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
+from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS, for_each_work_item
+
+# pipeline_callback(m_tile, n_tile, k_step, lhs_smem, rhs_smem): runs in each
+# compute warpgroup after it issued the step's wgmma.
+PipelineCallback = Callable[[jax.Array, jax.Array, jax.Array, object, object], None]
+# The operand pipeline's SMEM buffers, in the order of its in_specs.
+PIPELINE_BUFFER_NAMES = ("lhs_smem", "rhs_smem")
+
+
+def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: int, step,
+                      compute_context):
+  """The memory warpgroup's pipeline of (cta_m, tile_k) and (tile_k, cta_n) tiles."""
+  def spec(block_shape, index_map, minor):
+    return plgpu.BlockSpec(block_shape, index_map, transforms=tile_transforms(minor, dtype),
+                           delay_release=delay_release)
+  return plgpu.emit_pipeline_warp_specialized(
+      step,
+      grid=(k_steps,),
+      memory_registers=MEMORY_WG_REGISTERS,
+      in_specs=[spec((config.cta_tile_m, config.tile_k), lambda kk: (0, kk), config.tile_k),
+                spec((config.tile_k, config.cta_tile_n), lambda kk: (kk, 0), config.cta_tile_n)],
+      wg_axis=WG_AXIS,
+      num_compute_wgs=NUM_COMPUTE_WGS,
+      max_concurrent_steps=config.max_concurrent_steps,
+      compute_context=compute_context,
+  )
+
+
+def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool,
+                        delay_release: int = 0) -> dict:
+  """The SMEM `emit_cooperative_matmul` allocates for K = `k`, by name.
+
+  The kernel allocates exactly this (`pl.run_scoped(**...)`), and
+  `kernel_call.ws_smem_budget` sums it, so the budget cannot drift from the
+  allocation. "pipeline_allocs" is the operand pipeline's own declaration
+  (its slots and barriers, from `get_allocations`, which needs only shapes).
+  """
+  k_steps = k // config.k_splits // config.tile_k
+
+  def ignore(*_, **__):
+    return None
+
+  shapes = (jax.ShapeDtypeStruct((config.cta_tile_m, k), dtype),
+            jax.ShapeDtypeStruct((k, config.cta_tile_n), dtype))
+  scratch = dict(
+      pipeline_allocs=_operand_pipeline(config, dtype, k_steps, delay_release, ignore,
+                                        ignore).get_allocations(*shapes),
+      **epilogue_scratch(config, config.store_dtype(out_dtype),
+                         has_bias=has_bias and config.fuses_epilogue),
+  )
+  if delay_release:
+    # The pipeline never waits for the release of a tile's last
+    # `delay_release` steps, so the memory warpgroup could refill those slots
+    # for the next tile while a wgmma or a callback's copy still reads them.
+    # The compute warpgroups arrive here once they are done with every slot.
+    scratch["tile_drained"] = barrier(num_arrivals=NUM_COMPUTE_WGS)
+  return scratch
+
+
+def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
+                            config: TuningConfig, epilogue: Epilogue = Epilogue(),
+                            pipeline_callback: PipelineCallback | None = None,
+                            delay_release: int = 0) -> None:
+  """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + bias_gmem)` inside a kernel.
+
+  Must be called from a kernel built by `kernel_call.persistent_kernel`
+  (grid axis `SM_AXIS`, three threads on `WG_AXIS`). All shapes are static;
+  M and N may be ragged (TMA masks the edge tiles) but M must be a multiple
+  of 8 and N of the swizzle width and at least the CTA tile's
+  (`operands.pad_for_tma`); K a multiple of `config.tile_k` times
+  `config.k_splits`. `kernel_call.check_ws_config` checks the config.
+
+  Args:
+    lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref.
+    out_gmem: (M, N) ref; with `config.k_splits` > 1, a (k_splits, M, N)
+      float32 ref that receives each K range's partial product (the
+      epilogue must then be the identity and `bias_gmem` None: the caller
+      applies them to the sum).
+    bias_gmem: (N,) float32 ref, or None.
+    config: a `TuningConfig` with the cooperative schedule.
+    pipeline_callback: see `PipelineCallback`; with it, `delay_release` keeps
+      each step's SMEM slots alive that many extra steps, for async reads of
+      them the callback started (it must finish them by then).
+  """
+  if config.schedule != Schedule.COOPERATIVE:
+    raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
+                     f"{config.schedule!r}")
+  k_splits = config.k_splits
+  if k_splits > 1 and (bias_gmem is not None or epilogue != Epilogue()
+                       or pipeline_callback is not None):
+    raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation "
+                     "and pipeline_callback belong to the caller")
+  m, k = lhs_gmem.shape
+  n = rhs_gmem.shape[1]
+  dtype = lhs_gmem.dtype
+  tile_m, tile_n = config.tile_m, config.tile_n
+  cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
+  split_k = k // k_splits  # The K range of one block's share of a tile.
+  k_steps = split_k // config.tile_k
+  # One allocation serves every output tile, so no scoped allocation (a
+  # block-wide sync) sits in the tile loop.
+  scratch = cooperative_scratch(config, dtype, out_gmem.dtype, k=k,
+                                has_bias=bias_gmem is not None, delay_release=delay_release)
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
+  def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None):
+    wg = lax.axis_index(WG_AXIS)
+
+    def work_item(split, m_tile, n_tile, _):
+      cta_m_slice = pl.ds(m_tile * cta_m, cta_m)
+      cta_n_slice = pl.ds(n_tile * cta_n, cta_n)
+      k_slice = pl.ds(split * split_k, split_k)
+      if config.wg_dimension == MatmulDimension.M:
+        wg_m_slice, wg_n_slice = pl.ds(wg * tile_m, tile_m), slice(None)
+      else:
+        wg_m_slice, wg_n_slice = slice(None), pl.ds(wg * tile_n, tile_n)
+      split_out = out_gmem.at[split] if k_splits > 1 else out_gmem
+      wg_out = split_out.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
+
+      def mma_step(indices, lhs_smem, rhs_smem, acc_ref):
+        plgpu.wgmma(acc_ref, lhs_smem.at[wg_m_slice], rhs_smem.at[:, wg_n_slice])
+        if pipeline_callback is not None:
+          pipeline_callback(m_tile, n_tile, indices[0], lhs_smem, rhs_smem)
+        # The pipeline reuses a slot `delay_release` steps after this one, so
+        # that many wgmmas may still be reading their slots.
+        plgpu.wgmma_wait(delay_release)
+        return acc_ref
+
+      def compute_context(run_pipeline):
+        if bias_gmem is not None:
+          # Start the bias load now; it lands while the K loop runs.
+          plgpu.copy_gmem_to_smem(bias_gmem.at[cta_n_slice].at[wg_n_slice],
+                                  bias_smem.at[wg], bias_loaded.at[wg])
+
+        @functools.partial(pl.run_scoped, acc_ref=accumulator((tile_m, tile_n)))
+        def _acc_scope(acc_ref):
+          run_pipeline(acc_ref)
+          acc = acc_ref[...]  # Waits for every wgmma of the tile.
+          if tile_drained is not None:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The callback's copies.
+            plgpu.barrier_arrive(tile_drained)
+          if bias_gmem is not None:
+            plgpu.barrier_wait(bias_loaded.at[wg])
+          store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
+
+      _operand_pipeline(config, dtype, k_steps, delay_release, mma_step, compute_context)(
+          lhs_gmem.at[cta_m_slice, k_slice], rhs_gmem.at[k_slice, cta_n_slice],
+          allocations=pipeline_allocs)
+      if tile_drained is not None:
+        @pl.when(wg == NUM_COMPUTE_WGS)  # The memory warpgroup.
+        def _wait_drained():
+          plgpu.barrier_wait(tile_drained)
+
+    for_each_work_item(config, pl.cdiv(m, cta_m), pl.cdiv(n, cta_n), work_item)
+
+  # The last tile's stores must be done reading SMEM before the kernel
+  # exits (their GMEM writes complete on their own).
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -1,0 +1,83 @@
+"""The cooperative schedule of `ws_matmul`, in interpret mode and on a GPU."""
+
+import dataclasses
+
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+from core import testing
+from pipelines import Epilogue, MatmulDimension, TuningConfig, matmul, matmul_reference, ws_matmul
+from pipelines import matmul_test_base as base
+
+# Small tiles keep the interpreter fast; the GPU runs the same code at real
+# sizes (`test_real_sizes_and_epilogues`).
+SMALL_WS = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                        epi_tile_m=64, epi_tile_n=32, grid_tile_width=2)
+
+
+class CooperativeMatmulTest(base.MatmulTestBase):
+
+  def run_matmul(self, lhs, rhs, bias=None, *, epilogue=Epilogue(), out_dtype=None,
+                 config_fields=None):
+    config = dataclasses.replace(SMALL_WS, **(config_fields or {}))
+    return ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue, out_dtype=out_dtype)
+
+  @parameterized.product(dtype=base.DTYPES, wg_dimension=list(MatmulDimension),
+                         grid_minor_dim=list(MatmulDimension))
+  def test_warpgroup_split_and_tile_order(self, dtype, wg_dimension, grid_minor_dim):
+    self.check((256, 128, 256), dtype, seed=3,
+               config_fields=dict(wg_dimension=wg_dimension, grid_minor_dim=grid_minor_dim))
+
+  @parameterized.parameters(
+      # 8 CTA tiles on 3 blocks (3, 3, 2 each): each block's pipelines reuse
+      # the same slots and barriers tile after tile.
+      (3, (256, 128, 256), 2, Epilogue(activation="gelu", has_bias=True)),
+      (2, (256, 192, 128), 2, Epilogue()),  # 3 K steps through 2 slots.
+  )
+  def test_several_tiles_per_block(self, num_blocks, shape, steps, epilogue):
+    self.check(shape, jnp.bfloat16, seed=19, epilogue=epilogue, num_blocks=num_blocks,
+               config_fields=dict(max_concurrent_steps=steps))
+
+  @parameterized.parameters(*base.ODD_EPILOGUE_TILINGS)
+  def test_odd_epilogue_tilings_split_along_m(self, **tiling):
+    """The base case splits N between the warpgroups; this one M."""
+    fields = dict(tiling, wg_dimension=MatmulDimension.M)
+    config = dataclasses.replace(SMALL_WS, **fields)
+    shape = (4 * config.cta_tile_m, 64, 2 * config.cta_tile_n)
+    self.check(shape, jnp.bfloat16, seed=23, config_fields=fields, num_blocks=2,
+               epilogue=Epilogue(activation="relu", has_bias=True))
+
+  @parameterized.parameters(
+      # (blocks, M x K x N, k_splits, epilogue, out dtype): 2 splits of 2 K
+      # steps; 4 splits of one step each, 8 work items on 3 blocks; ragged
+      # M and N with the bias and activation applied after the sum.
+      (4, (128, 256, 128), 2, Epilogue(), jnp.bfloat16),
+      (3, (128, 256, 256), 4, Epilogue(activation="silu", has_bias=True), jnp.float32),
+      (4, (136, 128, 200), 2, Epilogue(activation="relu", has_bias=True), jnp.bfloat16),
+      # K = 3 tile_k steps in 2 splits: padded to 4 steps.
+      (4, (64, 192, 64), 2, Epilogue(), jnp.bfloat16),
+  )
+  def test_split_k(self, num_blocks, shape, k_splits, epilogue, out_dtype):
+    self.check(shape, jnp.bfloat16, seed=21, epilogue=epilogue, out_dtype=out_dtype,
+               num_blocks=num_blocks, config_fields=dict(k_splits=k_splits))
+
+  def test_split_k_adds_the_bias_in_float32(self):
+    self.check_float32_bias(config_fields=dict(k_splits=2))
+
+  def test_real_sizes_and_epilogues(self):
+    if self.backend != testing.GPU:
+      self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
+    # The heuristic's configs; the last two take its split K (8 and 4 ranges).
+    for (m, k, n), activation in (((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu"),
+                                  ((8192, 1024, 2048), "silu"), ((1024, 2048, 1024), "relu"),
+                                  ((512, 16384, 1024), "gelu"), ((250, 8192, 4000), "silu")):
+      lhs, rhs = base.operands(8, m, k, n, jnp.bfloat16)
+      bias = testing.random_array(9, (n,), jnp.bfloat16)
+      out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation)
+      ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
+                                                               has_bias=True))
+      self.assert_close(out, ref, dtype=jnp.bfloat16)
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,167 @@
+"""`default_config`: the warp-specialized matmul's config without tuning.
+
+Every constant of the heuristic is here, each with where it was measured
+(PERFORMANCE.md). It chooses among a few CTA tiles, the ping-pong schedule for
+short K, pipeline depth, epilogue tiles and a split of K, modelling compute
+and HBM time where the output has too few tiles to fill the SMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from core import device_facts
+from pipelines import kernel_call, operands
+from pipelines.config import MatmulDimension, Schedule, TuningConfig
+
+# The tiles the heuristic chooses from, largest CTA tile first: two 64x256,
+# 64x128 or 64x64 warpgroup tiles make CTA tiles of 128x256, 128x128 and
+# 64x128. Each comes with the relative time of one of its multiply-adds on an
+# H200 (smaller tiles reread more operand bytes per FLOP): 1.1 from the
+# split-K sweeps at equal work per SM; 1.5 from 256x8192x4096, where the
+# unsplit 64x128 tile ran 14% slower than 128x256 tiles in 4 splits. Stages,
+# epilogue tiles and splits are filled in by `default_config`.
+_HEURISTIC_TILES = (
+    (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.M), 1.0),
+    (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M), 1.1),
+    (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N), 1.5),
+)
+# `_estimated_time_us` models a problem with too few tiles to fill the SMs, on
+# an H200. Its constants were fitted to the split-K and small-output sweeps
+# (PERFORMANCE.md): on each of the 13 problems measured, it chooses the
+# fastest config measured, and so do nearby values of the constants.
+# One SM's multiply-adds per microsecond in 128x256 tiles (800 TFLOP/s).
+_SM_MACS_PER_US = 3.03e6
+# Each work item's pipeline fill and drain, and its epilogue.
+_WORK_ITEM_US = 2.0
+# HBM bytes per microsecond, fitted: above the 4.8e6 peak, since the 3-norm
+# below adds time wherever compute and HBM times are close, as in every
+# problem measured.
+_HBM_BYTES_PER_US = 5.0e6
+# The loads overlap the wgmmas, but not perfectly: the kernel's time is the
+# 3-norm of the compute and HBM times (between their sum and their max).
+_OVERLAP_NORM = 3
+# The XLA fusion that sums split partials: launch, and its reads of the
+# partials, which it mostly finds in L2 right after the kernel wrote them.
+_SPLIT_SUM_US = 4.0
+_SPLIT_SUM_BYTES_PER_US = 16e6
+# Shortest K range a split gets: below it the fill and drain of each
+# range's pipeline dominate (128x256 tiles at 512x4096x2048: 1024-long
+# ranges ran 13% slower than 128x128 tiles with 2048-long ones).
+_MIN_SPLIT_K = 2048
+# The ping-pong schedule's 128x192 tile, for problems with a short K loop,
+# where the epilogue it hides is a large share of a tile's time: on an H200 it
+# computed each output element 5-9% faster than the cooperative 128x256 tile
+# at K = 1024-2048, so it wins unless it leaves the busiest SM more than 5%
+# more elements (PERFORMANCE.md).
+_PINGPONG_CONFIG = TuningConfig(tile_m=128, tile_n=192, tile_k=64, max_concurrent_steps=4,
+                                grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
+                                schedule=Schedule.PINGPONG)
+_PINGPONG_MAX_K = 2048
+(_HEURISTIC_TILE_K,) = {tiles.tile_k for tiles, _ in _HEURISTIC_TILES} | {_PINGPONG_CONFIG.tile_k}
+_PINGPONG_MAX_EXTRA_WORK = 1.05
+
+
+def _num_tiles(problem: operands.MatmulProblem, config: TuningConfig) -> int:
+  return -(-problem.m // config.cta_tile_m) * -(-problem.n // config.cta_tile_n)
+
+
+def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig) -> int:
+  """Output elements the busiest SM computes: a proxy for the time."""
+  waves = -(-_num_tiles(problem, config) // device_facts().sm_count)
+  return waves * config.cta_tile_m * config.cta_tile_n
+
+
+def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
+  """1, and each split of K into equal whole K steps that keeps one work item
+  per SM and ranges at least `_MIN_SPLIT_K` long."""
+  k_steps = problem.k // config.tile_k
+  num_tiles = _num_tiles(problem, config)
+  yield 1
+  for splits in range(2, k_steps + 1):
+    if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
+        and problem.k // splits >= _MIN_SPLIT_K):
+      yield splits
+
+
+def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
+                       tile_cost: float, splits: int) -> float:
+  """The model's time for `problem` in `config`'s CTA tiles and `splits` K ranges.
+
+  Compute: the busiest SM's multiply-adds, weighted by the tile's relative
+  cost, plus each work item's fixed cost. HBM: the operands once (an output
+  this small keeps the reused operand in L2) and the output, or the float32
+  partials of a split. A split also pays for the XLA sum of its partials.
+  """
+  m, k, n = problem.m, problem.k, problem.n
+  waves = -(-_num_tiles(problem, config) * splits // device_facts().sm_count)
+  compute_us = waves * (config.cta_tile_m * config.cta_tile_n * (k // splits) * tile_cost
+                        / _SM_MACS_PER_US + _WORK_ITEM_US)
+  partial_bytes = splits * m * n * 4 if splits > 1 else 0
+  output_bytes = partial_bytes or m * n * problem.dtype.itemsize
+  hbm_us = ((m * k + k * n) * problem.dtype.itemsize + output_bytes) / _HBM_BYTES_PER_US
+  kernel_us = (compute_us ** _OVERLAP_NORM + hbm_us ** _OVERLAP_NORM) ** (1 / _OVERLAP_NORM)
+  sum_us = _SPLIT_SUM_US + partial_bytes / _SPLIT_SUM_BYTES_PER_US if splits > 1 else 0.0
+  return kernel_us + sum_us
+
+
+def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
+  """A sound config without tuning.
+
+  The sweeps on an H200 (PERFORMANCE.md) favour a 128x256 CTA tile made of two
+  64x256 warpgroup tiles (the widest wgmma) split along M, 3-4 stages and
+  64x128 epilogue tiles. Problems with K <= 2048 get the ping-pong schedule's
+  128x192 tile unless it would leave the busiest SM over 5% more output than
+  128x256 (16384x1024x8192: 6.5% faster than 128x256).
+
+  Problems with too few 128x256 tiles to fill the SMs get the CTA tile and
+  split of K (`TuningConfig.k_splits`) with the least modelled time
+  (`_estimated_time_us`): at M = 512, N = 4096 that is 128x128 tiles (1.65x
+  faster than 128x256); at 512x16384x1024, 128x256 tiles with K in 8 ranges
+  (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41); at
+  128x8192x8192, which streams 128 MB of RHS from HBM, 128x128 tiles in 2
+  ranges, since each split adds float32 partials to that traffic (1.13x
+  faster than 128x256 tiles in 4).
+
+  Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
+  latency where the problem streams a large operand (256x8192x8192 and
+  8192x8192x256: 5-11% faster than 4 stages); larger tiles and float32
+  partial tiles leave room for fewer. Fewer stages are used where SMEM is
+  short.
+
+  Args:
+    problem: the (M, K, N) problem and operand dtype.
+    out_dtype: the output dtype (the SMEM of the epilogue tiles).
+  """
+  # Every heuristic tile steps through K in 64s; `ws_matmul` zero-pads any
+  # other K up to that, so the model sees the padded K.
+  problem = operands.pad_k(problem, _HEURISTIC_TILE_K)
+  (largest, _), *_ = _HEURISTIC_TILES
+  if _num_tiles(problem, largest) >= device_facts().sm_count:
+    # At least one full wave of the largest tile: its efficiency wins.
+    tiles, splits = largest, 1
+    pingpong = _PINGPONG_CONFIG
+    if (problem.k <= _PINGPONG_MAX_K
+        and _waves_cost(problem, pingpong)
+        <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, largest)
+        and kernel_call.ws_smem_budget(pingpong, problem, out_dtype,
+                                     has_bias=True).fits()):
+      return pingpong
+  else:
+    options = [(_estimated_time_us(problem, tiles, tile_cost, splits), i, tiles, splits)
+               for i, (tiles, tile_cost) in enumerate(_HEURISTIC_TILES)
+               for splits in _k_splits_options(problem, tiles)]
+    # min() keeps the first (largest tile, fewest splits) of equal costs.
+    *_, tiles, splits = min(options, key=lambda option: option[:2])
+  if problem.n <= 128:
+    tiles = dataclasses.replace(tiles, tile_n=min(tiles.tile_n, 128))
+  # Stages hide load latency, so give up epilogue width before stages. With
+  # float32 partials, 5 stages ran 3% slower than 4 (128x128 tiles at
+  # 128x8192x8192 and 128x16384x4096), so splits start at 4.
+  deep = ((6, 64), (5, 64)) if splits == 1 else ()
+  for steps, epi_tile_n in (*deep, (4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
+    config = dataclasses.replace(tiles, max_concurrent_steps=steps,
+                                 epi_tile_n=min(epi_tile_n, tiles.tile_n), k_splits=splits)
+    if kernel_call.ws_smem_budget(config, problem, out_dtype, has_bias=True).fits():
+      return config
+  raise AssertionError("unreachable: two stages of 128x256 tiles always fit")

@@ -1,0 +1,163 @@
+"""The cases every matmul implementation must pass, written once.
+
+Each implementation's test is a short subclass of `MatmulTestBase` that says
+how to call it (`run_matmul`) and what it supports; the cases, the float32
+reference, the tolerances, the poisoning and the race check live here and in
+`core.testing`. A case an implementation does not support skips and says why.
+Test support only: no kernel module imports this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from unittest import mock
+
+import jax.numpy as jnp
+from absl.testing import parameterized
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from core import device, testing
+from pipelines import Epilogue, kernel_call, matmul_reference
+
+DTYPES = (jnp.float16, jnp.bfloat16)
+ACTIVATIONS = ("none", "relu", "gelu", "silu")
+# Epilogue tilings whose store count per tile is odd (3 sub-tiles through 2
+# staging slots), so consecutive tiles of a block start on different slots.
+ODD_EPILOGUE_TILINGS = (
+    dict(tile_m=64, tile_n=192, epi_tile_m=64, epi_tile_n=64),
+    dict(tile_m=192, tile_n=64, epi_tile_m=64, epi_tile_n=64),
+)
+
+
+def operands(seed: int, m: int, k: int, n: int, dtype):
+  """Random normal (M, K) and (K, N) operands from a fixed seed."""
+  return (testing.random_array(seed, (m, k), dtype),
+          testing.random_array(seed + 1, (k, n), dtype))
+
+
+def no_kernel_built():
+  """Fails the test if anything inside builds a Mosaic GPU kernel."""
+  return mock.patch.object(plgpu, "kernel", side_effect=AssertionError("a kernel was built"))
+
+
+def with_blocks(num_blocks: int):
+  """Caps the persistent grid at `num_blocks`, so each block loops over several tiles."""
+  facts = dataclasses.replace(device.device_facts(), sm_count=num_blocks)
+  return mock.patch.object(kernel_call, "device_facts", return_value=facts)
+
+
+class MatmulTestBase(testing.KernelTestCase):
+  """Cases for one matmul implementation; subclasses override `run_matmul`.
+
+  Attributes (what the implementation supports):
+    supports_epilogue: bias and activation.
+    supports_ragged: M and N that are not multiples of the tile.
+    supports_k_padding: K a multiple of 16 but not of the K tile.
+    tiled_by_config: the config has epilogue tiles (`ODD_EPILOGUE_TILINGS`)
+      and a persistent grid (`with_blocks`).
+  """
+
+  supports_epilogue = True
+  supports_ragged = True
+  supports_k_padding = True
+  tiled_by_config = True
+  # Aligned shapes for implementations that need whole tiles.
+  aligned_shapes = ((128, 256, 128), (256, 128, 256))
+
+  def run_matmul(self, lhs, rhs, bias=None, *, epilogue: Epilogue = Epilogue(),
+                 out_dtype=None, config_fields: dict | None = None):
+    """`epilogue(lhs @ rhs + bias)` with the implementation under test.
+
+    `config_fields` overrides fields of the implementation's config (only
+    when `tiled_by_config`).
+    """
+    raise NotImplementedError
+
+  def requires(self, what: str, supported: bool) -> None:
+    if not supported:
+      self.skipTest(f"{type(self).__name__} does not support {what}")
+
+  def check(self, shape, dtype, *, seed: int, epilogue: Epilogue = Epilogue(), out_dtype=None,
+            config_fields: dict | None = None, num_blocks: int | None = None):
+    """Runs the implementation on random operands, on a persistent grid capped
+    at `num_blocks` if given, and compares with the reference; returns the output."""
+    m, k, n = shape
+    lhs, rhs = operands(seed, m, k, n, dtype)
+    bias = testing.random_array(seed + 2, (n,), dtype) if epilogue.has_bias else None
+    kwargs = dict(epilogue=epilogue, out_dtype=out_dtype)
+    if config_fields:
+      kwargs["config_fields"] = config_fields
+    with with_blocks(num_blocks) if num_blocks else contextlib.nullcontext():
+      out = self.run_kernel(self.run_matmul, lhs, rhs, bias, **kwargs)
+    self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype or dtype)))
+    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue), dtype=dtype)
+    return out
+
+  @parameterized.product(dtype=DTYPES, shape_index=[0, 1])
+  def test_matches_reference(self, dtype, shape_index):
+    self.check(self.aligned_shapes[shape_index], dtype, seed=3)
+
+  @parameterized.parameters(
+      (200, 128, 136), (64, 64, 40), (130, 192, 248),
+      # Narrower than one 64x128 CTA tile, with several K steps: N so narrow
+      # gave wrong products on an H200 until the wrapper padded it.
+      (128, 128, 64), (40, 192, 256), (8, 128, 64))
+  def test_ragged_m_and_n_are_masked(self, m, k, n):
+    self.requires("ragged M and N", self.supports_ragged)
+    self.check((m, k, n), jnp.float16, seed=7)
+
+  @parameterized.product(activation=ACTIVATIONS, has_bias=[False, True],
+                         out_dtype=[None, jnp.float32])
+  def test_fused_epilogue(self, activation, has_bias, out_dtype):
+    self.requires("a fused epilogue", self.supports_epilogue or
+                  (activation == "none" and not has_bias))
+    self.check((128, 128, 192), jnp.bfloat16, seed=4, out_dtype=out_dtype,
+               epilogue=Epilogue(activation=activation, has_bias=has_bias))
+
+  @parameterized.parameters(*range(len(ODD_EPILOGUE_TILINGS)))
+  def test_odd_epilogue_tilings(self, index):
+    """Several tiles per block, each making 3 stores through 2 staging slots:
+    a tile's first store must wait for the last store of the one before."""
+    self.requires("epilogue tilings", self.tiled_by_config)
+    self.check((384, 64, 384), jnp.float16, seed=23, config_fields=ODD_EPILOGUE_TILINGS[index],
+               num_blocks=1, epilogue=Epilogue(activation="relu", has_bias=True))
+
+  def test_bias_is_added_in_float32(self):
+    self.requires("a bias", self.supports_epilogue)
+    self.check_float32_bias()
+
+  def check_float32_bias(self, config_fields: dict | None = None):
+    """A float32 bias that cancels most of a large accumulator: cast to a
+    float16 output first (70000 -> inf), it would make every element inf."""
+    m, k, n = 64, 128, 64
+    lhs = jnp.ones((m, k), jnp.float16)
+    noise = testing.random_array(25, (k, n), jnp.float32, scale=0.5)
+    rhs = (noise - 544.0).astype(jnp.float16)  # Each accumulator about -69632.
+    bias = jnp.full((n,), 70000.0, jnp.float32) + testing.random_array(26, (n,), jnp.float32)
+    epilogue = Epilogue(activation="relu", has_bias=True)
+    kwargs = dict(config_fields=config_fields) if config_fields else {}
+    out = self.run_kernel(self.run_matmul, lhs, rhs, bias, epilogue=epilogue, **kwargs)
+    ref = matmul_reference(lhs, rhs, bias, epilogue=epilogue)
+    self.assertTrue(bool(jnp.all(jnp.abs(ref) < 1000)), "the reference must fit in float16")
+    self.assert_close(out, ref, dtype=jnp.float16)
+
+  @parameterized.parameters((0, 64, 64), (64, 64, 0), (0, 0, 0), (64, 0, 128))
+  def test_empty_problems_launch_no_kernel(self, m, k, n):
+    """As `jnp.dot`: an empty output, or for K = 0 the epilogue of zeros."""
+    lhs, rhs = operands(27, m, k, n, jnp.bfloat16)
+    epilogue = (Epilogue(activation="silu", has_bias=True) if self.supports_epilogue
+                else Epilogue())
+    bias = testing.random_array(28, (n,), jnp.float32) if epilogue.has_bias else None
+    with no_kernel_built():
+      out = self.run_matmul(lhs, rhs, bias, epilogue=epilogue, out_dtype=jnp.float32)
+    self.assertEqual((out.shape, out.dtype), ((m, n), jnp.float32))
+    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue),
+                      dtype=jnp.float32)
+
+  @parameterized.parameters(16, 48, 80, 144)
+  def test_k_multiple_of_16(self, k):
+    """K off the 64-wide K tile is zero-padded to it."""
+    self.requires("K off the K tile", self.supports_k_padding)
+    epilogue = Epilogue(activation="gelu", has_bias=self.supports_epilogue)
+    self.check((72, k, 64), jnp.float16, seed=29, epilogue=epilogue)
