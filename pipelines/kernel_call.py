@@ -109,9 +109,10 @@ def _check_call(lhs, rhs, bias, out_dtype):
   return problem, out_dtype, bias
 
 
-def _empty_result(problem: operands.MatmulProblem, out_dtype, bias,
-                  epilogue: Epilogue = Epilogue()) -> jax.Array:
-  """Step 3: `jnp.dot`'s answer where M, N or K is 0, with no kernel."""
+def empty_result(problem: operands.MatmulProblem, out_dtype, bias=None,
+                 epilogue: Epilogue = Epilogue()) -> jax.Array:
+  """Step 3: `jnp.dot`'s answer where M, N or K is 0, with no kernel (the
+  epilogue of zeros, which has no elements unless only K is 0)."""
   return epilogue.apply_to_sum(jnp.zeros((problem.m, problem.n), jnp.float32),
                                bias).astype(out_dtype)
 
@@ -147,7 +148,7 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   check_ws_config(config, operands.pad_k(problem, k_multiple), out_dtype,
                   has_bias=bias is not None)
   if problem.is_empty:
-    return _empty_result(problem, out_dtype, bias, epilogue)
+    return empty_result(problem, out_dtype, bias, epilogue)
   lhs, rhs = operands.pad_k_operands(lhs, rhs, k_multiple)
   store_dtype = config.store_dtype(out_dtype)
   n_multiple = math.lcm(swizzle_elems(config.cta_tile_n, problem.dtype),
@@ -196,7 +197,7 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
   operands.check_k_tiles(problem, config.tile_k)
   check_swizzle(config, problem.dtype)
   if problem.is_empty:
-    return _empty_result(problem, out_dtype, None)
+    return empty_result(problem, out_dtype)
   # emit_pipeline allocates its slots itself, so this budget is a model
   # (tested against Mosaic GPU's own allocation in smem_budget_test).
   config.smem_budget(problem.k, problem.dtype, out_dtype).check(what=repr(config))

@@ -41,6 +41,7 @@ from core import (
 )
 from pipelines import operands
 from pipelines.config import PipelinedConfig, check_swizzle
+from pipelines.kernel_call import empty_result
 
 
 def _accumulating_kernel(lhs_smem, rhs_smem, out_smem, acc_smem, *, accumulate: Callable):
@@ -146,6 +147,8 @@ def pallas_call_matmul(lhs: jax.Array, rhs: jax.Array, *,
     raise ValueError(f"M={problem.m} and N={problem.n} must be multiples of "
                      f"tile_m={tile_m} and tile_n={tile_n} on the pallas_call path")
   k_steps = operands.check_k_tiles(problem, tile_k)
+  if problem.is_empty:
+    return empty_result(problem, out_dtype)
   config = dataclasses.replace(config, tile_k=tile_k)
   # Checked in interpret mode too, so that CPU runs refuse what a GPU would.
   check_swizzle(config, problem.dtype)

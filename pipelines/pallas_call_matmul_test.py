@@ -11,7 +11,14 @@ import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
 from core import interpret, testing
-from pipelines import PipelinedConfig, matmul_reference, pallas_call_matmul, pipelined_matmul
+from pipelines import (
+    Epilogue,
+    PipelinedConfig,
+    matmul_reference,
+    pallas_call_matmul,
+    pipelined_matmul,
+)
+from pipelines import matmul_test_base as base
 
 S = jax.ShapeDtypeStruct
 
@@ -30,6 +37,22 @@ def traced_pallas_call(fn, *args):
   grid_mapping = call.params["grid_mapping"]
   blocks = tuple(bm.ref_aval.shape for bm in grid_mapping.block_mappings)
   return grid_mapping.grid, blocks, call.params["compiler_params"]
+
+
+class PallasCallBaseCasesTest(base.MatmulTestBase):
+  """The cases every matmul passes, on whole 64x64 tiles: this path takes no
+  epilogue, no ragged edges and no K off the K tile."""
+
+  supports_epilogue = False
+  supports_ragged = False
+  supports_k_padding = False
+  tiled_by_config = False
+
+  def run_matmul(self, lhs, rhs, bias=None, *, epilogue=Epilogue(), out_dtype=None):
+    if bias is not None or epilogue != Epilogue():
+      raise AssertionError("pallas_call_matmul has no epilogue; the base must not ask for one")
+    config = PipelinedConfig(tile_m=64, tile_n=64, max_concurrent_steps=2)
+    return pallas_call_matmul(lhs, rhs, config=config, out_dtype=out_dtype)
 
 
 class PallasCallMatmulTest(testing.KernelTestCase):
