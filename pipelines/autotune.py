@@ -143,14 +143,17 @@ def _failure_summary(problem: operands.MatmulProblem, out_dtype,
 
 
 def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
+         layout: operands.OperandLayout = operands.NN,
          space: SearchSpace | Iterable[TuningConfig] = SearchSpace(),
          timer: Callable | None = None, store: bool = False, log=sys.stderr) -> Sweep:
-  """Times every feasible config of `space` on `lhs @ rhs`.
+  """Times every feasible config of `space` on `op(lhs) @ op(rhs)`.
 
   Args:
-    lhs, rhs: (M, K) and (K, N) float16/bfloat16 operands (random data), concrete
-      arrays: the sweep compiles and times kernels, so it cannot run under
-      `jax.jit` or another transformation.
+    lhs, rhs: float16/bfloat16 operands (random data) stored as `layout` says:
+      (M, K) or (K, M), and (K, N) or (N, K). Concrete arrays: the sweep
+      compiles and times kernels, so it cannot run under `jax.jit` or another
+      transformation.
+    layout: how the operands are stored; part of the tuning-cache key.
     space: a `SearchSpace`, or the configs to try.
     timer: `timer(fn, args) -> median microseconds`; CUPTI timing on the GPU by default.
     store: write the winner to the tuning cache (or, if that cannot be written,
@@ -172,18 +175,18 @@ def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
           "checks and times kernels on concrete arrays, so it cannot run under jax.jit, "
           "jax.vmap or another transformation. Call it outside the transformation, or give "
           "matmul() a config= (or on_cache_miss='heuristic') under jit")
-  problem = operands.check_operands(lhs, rhs)
+  problem = operands.check_operands(lhs, rhs, layout)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   if timer is None:
     def timer(fn, args):
       return timing.time_gpu("ws_matmul", fn, args, flops=problem.flops)[0].median_us
   configs, infeasible = _split_feasible(problem, out_dtype, space)
-  reference = matmul_reference(lhs, rhs)
+  reference = matmul_reference(lhs, rhs, layout=layout)
   tolerance = RELATIVE_TOLERANCE[problem.dtype]
   results = []
   for i, config in enumerate(configs):
     def run(a, b, config=config):
-      return kernel_call.ws_matmul(a, b, config=config, out_dtype=out_dtype)
+      return kernel_call.ws_matmul(a, b, config=config, out_dtype=out_dtype, layout=layout)
     try:
       err = relative_error(run(lhs, rhs), reference)
       if not err <= tolerance:

@@ -13,7 +13,7 @@ from absl.testing import absltest
 from core import interpret_mode, testing
 from pipelines import autotune, kernel_call, matmul, tuning_cache
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
-from pipelines.operands import MatmulProblem
+from pipelines.operands import NN, MatmulProblem, OperandLayout
 from pipelines.reference import matmul_reference
 
 TINY_SPACE = autotune.SearchSpace(tile_m=(64,), tile_n=(64, 512), max_concurrent_steps=(2, 9),
@@ -25,11 +25,11 @@ GOOD, WRONG, BROKEN = (TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurr
                                     epi_tile_m=64, epi_tile_n=32) for s in (2, 3, 4))
 
 
-def fake_ws_matmul(lhs, rhs, *, config, out_dtype):
+def fake_ws_matmul(lhs, rhs, *, config, out_dtype, layout):
   """Stands in for the kernel: right for GOOD, wrong for WRONG, raises for BROKEN."""
   if config == BROKEN:
     raise RuntimeError("Mosaic GPU failed to compile the kernel")
-  out = matmul_reference(lhs, rhs)
+  out = matmul_reference(lhs, rhs, layout=layout)
   return (out if config == GOOD else out + 1.0).astype(out_dtype)
 
 
@@ -121,6 +121,21 @@ class AutotuneTest(absltest.TestCase):
     self.assertIn(str(fallback), logs.output[0])
     with mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: str(fallback)}):
       self.assertEqual(tuning_cache.lookup(problem, jnp.float16), GOOD)
+
+  def test_layouts_are_tuned_and_cached_apart(self):
+    """A transposed layout is its own problem: its own sweep and cache key."""
+    cache = os.path.join(tempfile.mkdtemp(), "cache.json")
+    layout = OperandLayout(transpose_lhs=True)
+    problem = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16), layout=layout)
+    with (mock.patch.dict(os.environ, {tuning_cache.CACHE_ENV: cache}),
+          mock.patch.object(kernel_call, "ws_matmul", fake_ws_matmul)):
+      sweep = autotune.tune(self.lhs.T, self.rhs, layout=layout, space=[WRONG, GOOD],
+                            timer=lambda fn, args: 2.0, store=True, log=self.log)
+      self.assertEqual(sweep.best.config, GOOD)
+      self.assertEqual(tuning_cache.lookup(problem, jnp.float16), GOOD)
+      nn = dataclasses.replace(problem, layout=NN)
+      self.assertIsNone(tuning_cache.lookup(nn, jnp.float16))
+    self.assertTrue(tuning_cache.cache_key(problem, jnp.float16).endswith("|TN"))
 
   def test_a_store_that_fails_everywhere_still_returns_the_sweep(self):
     blocker = os.path.join(tempfile.mkdtemp(), "a_file")

@@ -260,27 +260,57 @@ def check_operand_dtype(name: str, dtype) -> jnp.dtype:
   return dtype
 
 
-def check_swizzle(config, dtype) -> None:
+def operand_tile_minor_dims(config, *, transpose_lhs: bool = False,
+                            transpose_rhs: bool = False) -> tuple[int, int]:
+  """The minor (contiguous) dimension, in elements, of the LHS and RHS SMEM tiles.
+
+  A tile is stored as its operand is: the LHS tile is (cta_m, tile_k), or
+  (tile_k, cta_m) when the LHS is stored (K, M); the RHS tile (tile_k, cta_n),
+  or (cta_n, tile_k) when the RHS is stored (N, K).
+  """
+  cta_tile_m = getattr(config, "cta_tile_m", config.tile_m)
+  cta_tile_n = getattr(config, "cta_tile_n", config.tile_n)
+  return (cta_tile_m if transpose_lhs else config.tile_k,
+          config.tile_k if transpose_rhs else cta_tile_n)
+
+
+def check_swizzle(config, dtype, *, transpose_lhs: bool = False,
+                  transpose_rhs: bool = False) -> None:
   """Raises if the operand tiles cannot be swizzled for TMA + wgmma."""
   itemsize = jnp.dtype(dtype).itemsize
-  lhs_swizzle = swizzle_bytes(config.tile_k, dtype, what="lhs tile (tile_k)")
-  cta_tile_n = getattr(config, "cta_tile_n", config.tile_n)
-  rhs_swizzle = swizzle_bytes(cta_tile_n, dtype, what="rhs tile (tile_n)")
+  name = jnp.dtype(dtype).name
+  lhs_minor, rhs_minor = operand_tile_minor_dims(config, transpose_lhs=transpose_lhs,
+                                                 transpose_rhs=transpose_rhs)
+  lhs_what = "lhs tile (tile_m of a (K, M) lhs)" if transpose_lhs else "lhs tile (tile_k)"
+  rhs_what = "rhs tile (tile_k of an (N, K) rhs)" if transpose_rhs else "rhs tile (tile_n)"
+  lhs_swizzle = swizzle_bytes(lhs_minor, dtype, what=lhs_what)
+  rhs_swizzle = swizzle_bytes(rhs_minor, dtype, what=rhs_what)
   if lhs_swizzle != rhs_swizzle:
     # Mosaic GPU's wgmma reads both SMEM operands with one swizzle; otherwise
     # its layout inference fails with no hint of the cause.
-    raise ValueError(
-        f"tile_k={config.tile_k} gives {jnp.dtype(dtype).name} LHS tiles a {lhs_swizzle}-byte "
-        f"swizzle but the {cta_tile_n}-wide RHS tile gets {rhs_swizzle} bytes; wgmma needs "
-        f"one swizzle for both: use tile_k={rhs_swizzle // itemsize}, or a tile_n that is a "
-        f"multiple of {lhs_swizzle // itemsize}")
-  segment = rhs_swizzle // itemsize
-  if cta_tile_n != config.tile_n:
-    # Each warpgroup's wgmma reads its columns of the CTA's RHS tile, which
-    # must start at a swizzled segment.
-    if config.tile_n % segment:
+    if not (transpose_lhs or transpose_rhs):
       raise ValueError(
-          f"tile_n={config.tile_n} must be a multiple of {segment} when the warpgroups "
-          f"split N (wg_dimension=MatmulDimension.N): each reads its columns of a "
-          f"{cta_tile_n}-wide {jnp.dtype(dtype).name} RHS tile swizzled in {segment}-column "
-          f"segments")
+          f"tile_k={config.tile_k} gives {name} LHS tiles a {lhs_swizzle}-byte "
+          f"swizzle but the {rhs_minor}-wide RHS tile gets {rhs_swizzle} bytes; wgmma needs "
+          f"one swizzle for both: use tile_k={rhs_swizzle // itemsize}, or a tile_n that is a "
+          f"multiple of {lhs_swizzle // itemsize}")
+    raise ValueError(
+        f"{config!r}: the {name} LHS tile's {lhs_minor}-element rows get a {lhs_swizzle}-byte "
+        f"swizzle but the RHS tile's {rhs_minor}-element rows get {rhs_swizzle} bytes; wgmma "
+        f"needs one swizzle for both: make both minor dimensions multiples of "
+        f"{max(lhs_swizzle, rhs_swizzle) // itemsize}")
+  segment = rhs_swizzle // itemsize
+  # Each warpgroup's wgmma reads its part of the CTA's tile; split along a
+  # tile's minor dimension, that part must start at a swizzled segment.
+  splits = getattr(config, "cta_tile_n", config.tile_n) != config.tile_n
+  if splits and not transpose_rhs and config.tile_n % segment:
+    raise ValueError(
+        f"tile_n={config.tile_n} must be a multiple of {segment} when the warpgroups "
+        f"split N (wg_dimension=MatmulDimension.N): each reads its columns of a "
+        f"{rhs_minor}-wide {name} RHS tile swizzled in {segment}-column segments")
+  splits_m = getattr(config, "cta_tile_m", config.tile_m) != config.tile_m
+  if splits_m and transpose_lhs and config.tile_m % segment:
+    raise ValueError(
+        f"tile_m={config.tile_m} must be a multiple of {segment} when the warpgroups split M "
+        f"(wg_dimension=MatmulDimension.M) of a (K, M) lhs: each reads its columns of a "
+        f"{lhs_minor}-wide {name} LHS tile swizzled in {segment}-column segments")

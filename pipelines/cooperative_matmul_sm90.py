@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from core import accumulator, barrier, tile_transforms
 from pipelines.config import NUM_COMPUTE_WGS, MatmulDimension, Schedule, TuningConfig
 from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
+from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS, for_each_work_item
 
 # pipeline_callback(m_tile, n_tile, k_step, lhs_smem, rhs_smem): runs in each
@@ -39,18 +40,27 @@ PipelineCallback = Callable[[jax.Array, jax.Array, jax.Array, object, object], N
 PIPELINE_BUFFER_NAMES = ("lhs_smem", "rhs_smem")
 
 
-def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: int, step,
-                      compute_context):
-  """The memory warpgroup's pipeline of (cta_m, tile_k) and (tile_k, cta_n) tiles."""
-  def spec(block_shape, index_map, minor):
-    return plgpu.BlockSpec(block_shape, index_map, transforms=tile_transforms(minor, dtype),
+def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: int,
+                      layout: OperandLayout, step, compute_context):
+  """The memory warpgroup's pipeline of LHS and RHS tiles, as the operands are stored:
+  (cta_m, tile_k) or (tile_k, cta_m), and (tile_k, cta_n) or (cta_n, tile_k)."""
+  def spec(block_shape, index_map):
+    return plgpu.BlockSpec(block_shape, index_map,
+                           transforms=tile_transforms(block_shape[-1], dtype),
                            delay_release=delay_release)
+  if layout.transpose_lhs:
+    lhs_spec = spec((config.tile_k, config.cta_tile_m), lambda kk: (kk, 0))
+  else:
+    lhs_spec = spec((config.cta_tile_m, config.tile_k), lambda kk: (0, kk))
+  if layout.transpose_rhs:
+    rhs_spec = spec((config.cta_tile_n, config.tile_k), lambda kk: (0, kk))
+  else:
+    rhs_spec = spec((config.tile_k, config.cta_tile_n), lambda kk: (kk, 0))
   return plgpu.emit_pipeline_warp_specialized(
       step,
       grid=(k_steps,),
       memory_registers=MEMORY_WG_REGISTERS,
-      in_specs=[spec((config.cta_tile_m, config.tile_k), lambda kk: (0, kk), config.tile_k),
-                spec((config.tile_k, config.cta_tile_n), lambda kk: (kk, 0), config.cta_tile_n)],
+      in_specs=[lhs_spec, rhs_spec],
       wg_axis=WG_AXIS,
       num_compute_wgs=NUM_COMPUTE_WGS,
       max_concurrent_steps=config.max_concurrent_steps,
@@ -59,7 +69,7 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: 
 
 
 def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool,
-                        delay_release: int = 0) -> dict:
+                        delay_release: int = 0, layout: OperandLayout = NN) -> dict:
   """The SMEM `emit_cooperative_matmul` allocates for K = `k`, by name.
 
   The kernel allocates exactly this (`pl.run_scoped(**...)`), and
@@ -72,10 +82,10 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
   def ignore(*_, **__):
     return None
 
-  shapes = (jax.ShapeDtypeStruct((config.cta_tile_m, k), dtype),
-            jax.ShapeDtypeStruct((k, config.cta_tile_n), dtype))
+  shapes = (jax.ShapeDtypeStruct(layout.lhs_shape(config.cta_tile_m, k), dtype),
+            jax.ShapeDtypeStruct(layout.rhs_shape(k, config.cta_tile_n), dtype))
   scratch = dict(
-      pipeline_allocs=_operand_pipeline(config, dtype, k_steps, delay_release, ignore,
+      pipeline_allocs=_operand_pipeline(config, dtype, k_steps, delay_release, layout, ignore,
                                         ignore).get_allocations(*shapes),
       **epilogue_scratch(config, config.store_dtype(out_dtype),
                          has_bias=has_bias and config.fuses_epilogue),
@@ -92,7 +102,7 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
 def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             config: TuningConfig, epilogue: Epilogue = Epilogue(),
                             pipeline_callback: PipelineCallback | None = None,
-                            delay_release: int = 0) -> None:
+                            delay_release: int = 0, layout: OperandLayout = NN) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + bias_gmem)` inside a kernel.
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
@@ -103,7 +113,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   `config.k_splits`. `kernel_call.check_ws_config` checks the config.
 
   Args:
-    lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref.
+    lhs_gmem: (M, K) ref, or (K, M) with `layout.transpose_lhs`.
+    rhs_gmem: (K, N) ref, or (N, K) with `layout.transpose_rhs`.
     out_gmem: (M, N) ref; with `config.k_splits` > 1, a (k_splits, M, N)
       float32 ref that receives each K range's partial product (the
       epilogue must then be the identity and `bias_gmem` None: the caller
@@ -112,7 +123,10 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
     config: a `TuningConfig` with the cooperative schedule.
     pipeline_callback: see `PipelineCallback`; with it, `delay_release` keeps
       each step's SMEM slots alive that many extra steps, for async reads of
-      them the callback started (it must finish them by then).
+      them the callback started (it must finish them by then). Its SMEM tiles
+      are laid out as the operands are stored.
+    layout: how lhs_gmem and rhs_gmem are stored; transposed operands are
+      loaded as stored and handed to wgmma as transposed SMEM views.
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
@@ -122,8 +136,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                        or pipeline_callback is not None):
     raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation "
                      "and pipeline_callback belong to the caller")
-  m, k = lhs_gmem.shape
-  n = rhs_gmem.shape[1]
+  k, m = lhs_gmem.shape if layout.transpose_lhs else lhs_gmem.shape[::-1]
+  n = rhs_gmem.shape[0] if layout.transpose_rhs else rhs_gmem.shape[1]
   dtype = lhs_gmem.dtype
   tile_m, tile_n = config.tile_m, config.tile_n
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
@@ -132,7 +146,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   # One allocation serves every output tile, so no scoped allocation (a
   # block-wide sync) sits in the tile loop.
   scratch = cooperative_scratch(config, dtype, out_gmem.dtype, k=k,
-                                has_bias=bias_gmem is not None, delay_release=delay_release)
+                                has_bias=bias_gmem is not None, delay_release=delay_release,
+                                layout=layout)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
   def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None):
@@ -150,7 +165,16 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       wg_out = split_out.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
 
       def mma_step(indices, lhs_smem, rhs_smem, acc_ref):
-        plgpu.wgmma(acc_ref, lhs_smem.at[wg_m_slice], rhs_smem.at[:, wg_n_slice])
+        # A transposed operand's tile is read through a transposed view.
+        if layout.transpose_lhs:
+          lhs_operand = lhs_smem.at[:, wg_m_slice].T
+        else:
+          lhs_operand = lhs_smem.at[wg_m_slice]
+        if layout.transpose_rhs:
+          rhs_operand = rhs_smem.at[wg_n_slice].T
+        else:
+          rhs_operand = rhs_smem.at[:, wg_n_slice]
+        plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
         if pipeline_callback is not None:
           pipeline_callback(m_tile, n_tile, indices[0], lhs_smem, rhs_smem)
         # The pipeline reuses a slot `delay_release` steps after this one, so
@@ -175,9 +199,12 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
             plgpu.barrier_wait(bias_loaded.at[wg])
           store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
 
-      _operand_pipeline(config, dtype, k_steps, delay_release, mma_step, compute_context)(
-          lhs_gmem.at[cta_m_slice, k_slice], rhs_gmem.at[k_slice, cta_n_slice],
-          allocations=pipeline_allocs)
+      lhs_tiles = (lhs_gmem.at[k_slice, cta_m_slice] if layout.transpose_lhs
+                   else lhs_gmem.at[cta_m_slice, k_slice])
+      rhs_tiles = (rhs_gmem.at[cta_n_slice, k_slice] if layout.transpose_rhs
+                   else rhs_gmem.at[k_slice, cta_n_slice])
+      _operand_pipeline(config, dtype, k_steps, delay_release, layout, mma_step,
+                        compute_context)(lhs_tiles, rhs_tiles, allocations=pipeline_allocs)
       if tile_drained is not None:
         @pl.when(wg == NUM_COMPUTE_WGS)  # The memory warpgroup.
         def _wait_drained():

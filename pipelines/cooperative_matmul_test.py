@@ -18,9 +18,10 @@ SMALL_WS = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
 class CooperativeMatmulTest(base.MatmulTestBase):
 
   def run_matmul(self, lhs, rhs, bias=None, *, epilogue=Epilogue(), out_dtype=None,
-                 config_fields=None):
+                 config_fields=None, layout=base.NN):
     config = dataclasses.replace(SMALL_WS, **(config_fields or {}))
-    return ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue, out_dtype=out_dtype)
+    return ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue, out_dtype=out_dtype,
+                     layout=layout)
 
   @parameterized.product(dtype=base.DTYPES, wg_dimension=list(MatmulDimension),
                          grid_minor_dim=list(MatmulDimension))

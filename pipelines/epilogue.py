@@ -57,6 +57,21 @@ class Epilogue:
         return x / (1.0 + jnp.exp(-x))
     return x
 
+  def derivative(self, x: jax.Array) -> jax.Array:
+    """d activation / dx at the float32 pre-activation `x` (outside a kernel)."""
+    match self.activation:
+      case "relu":
+        return (x > 0).astype(jnp.float32)
+      case "gelu":
+        inner = _SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
+        tanh = jnp.tanh(inner)
+        d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
+        return 0.5 * (1.0 + tanh) + 0.5 * x * (1.0 - tanh * tanh) * d_inner
+      case "silu":
+        sigmoid = 1.0 / (1.0 + jnp.exp(-x))
+        return sigmoid * (1.0 + x * (1.0 - sigmoid))
+    return jnp.ones_like(x)
+
   def apply_to_sum(self, acc: jax.Array, bias: jax.Array | None) -> jax.Array:
     """Bias, then the activation, on a float32 (M, N) sum outside a kernel.
 

@@ -34,6 +34,7 @@ from pipelines.config import (
     Schedule,
     TuningConfig,
     check_swizzle,
+    operand_tile_minor_dims,
 )
 from pipelines.cooperative_matmul_sm90 import (
     PIPELINE_BUFFER_NAMES,
@@ -50,10 +51,12 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
                    has_bias: bool = False, delay_release: int = 0) -> SmemBudget:
   """The SMEM the warp-specialized kernel of `config.schedule` allocates for `problem`."""
   if config.schedule == Schedule.PINGPONG:
-    scratch = pingpong_scratch(config, problem.dtype, out_dtype, k=problem.k, has_bias=has_bias)
+    scratch = pingpong_scratch(config, problem.dtype, out_dtype, k=problem.k, has_bias=has_bias,
+                               layout=problem.layout)
   else:
     scratch = cooperative_scratch(config, problem.dtype, out_dtype, k=problem.k,
-                                  has_bias=has_bias, delay_release=delay_release)
+                                  has_bias=has_bias, delay_release=delay_release,
+                                  layout=problem.layout)
   return SmemBudget.of_scratch(scratch, labels={"pipeline_allocs": PIPELINE_BUFFER_NAMES})
 
 
@@ -67,7 +70,8 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   (`emit_cooperative_matmul`).
   """
   operands.check_k_tiles(problem, config.tile_k)
-  check_swizzle(config, problem.dtype)
+  check_swizzle(config, problem.dtype, transpose_lhs=problem.layout.transpose_lhs,
+                transpose_rhs=problem.layout.transpose_rhs)
   if delay_release and config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"delay_release={delay_release} (a pipeline_callback's hold on its "
                      f"slots) needs schedule=Schedule.COOPERATIVE, not {config.schedule!r}")
@@ -98,9 +102,9 @@ def persistent_kernel(body, *, out_type, num_blocks: int, name: str):
   )
 
 
-def _check_call(lhs, rhs, bias, out_dtype):
+def _check_call(lhs, rhs, bias, out_dtype, layout: operands.OperandLayout = operands.NN):
   """Step 1: (problem, out dtype, bias as float32 or None)."""
-  problem = operands.check_operands(lhs, rhs)
+  problem = operands.check_operands(lhs, rhs, layout)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   if bias is not None:
     if bias.shape != (problem.n,):
@@ -119,23 +123,25 @@ def empty_result(problem: operands.MatmulProblem, out_dtype, bias=None,
 
 def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
               config: TuningConfig, epilogue: Epilogue = Epilogue(),
-              out_dtype=None) -> jax.Array:
-  """`epilogue(lhs @ rhs + bias)` with the warp-specialized kernel and a given config.
+              out_dtype=None, layout: operands.OperandLayout = operands.NN) -> jax.Array:
+  """`epilogue(op(lhs) @ op(rhs) + bias)` with the warp-specialized kernel and a given config.
 
   Where M, N or K is 0 no kernel runs: the result is what `jnp.dot` gives
-  (an empty array, or for K = 0 the epilogue of zeros). A K that is not a
-  multiple of `config.tile_k * config.k_splits` is zero-padded up to one,
-  which copies both operands (`operands.pad_k_operands`).
+  (an empty array, or for K = 0 the epilogue of zeros). Dimensions off what
+  TMA needs are zero-padded (`operands.tma_sizes`), which copies the
+  operand: K to a multiple of `config.tile_k * config.k_splits`, minor
+  dimensions to the swizzle width.
 
   Args:
-    lhs: (M, K) float16 or bfloat16; rhs: (K, N) of the same dtype. K a
-      multiple of 16.
+    lhs: (M, K) float16 or bfloat16, or (K, M) with `layout.transpose_lhs`.
+    rhs: (K, N) of the same dtype, or (N, K) with `layout.transpose_rhs`.
     bias: (N,) of any float dtype, or None; added in float32.
     config: tiles, pipeline depth, tile order, schedule and split of K (see
       `TuningConfig`).
     epilogue: activation; `epilogue.has_bias` must match `bias`. Fused into the
       kernel, or with `config.k_splits` > 1 into the XLA sum of the partials.
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+    layout: how lhs and rhs are stored (`operands.OperandLayout`).
 
   Returns:
     (M, N) array of `out_dtype`, accumulated in float32.
@@ -143,33 +149,39 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   if (bias is not None) != epilogue.has_bias:
     raise ValueError(f"bias is {'given' if bias is not None else 'missing'} but "
                      f"epilogue.has_bias={epilogue.has_bias}")
-  problem, out_dtype, bias = _check_call(lhs, rhs, bias, out_dtype)
+  problem, out_dtype, bias = _check_call(lhs, rhs, bias, out_dtype, layout)
   k_multiple = config.tile_k * config.k_splits
   check_ws_config(config, operands.pad_k(problem, k_multiple), out_dtype,
                   has_bias=bias is not None)
   if problem.is_empty:
     return empty_result(problem, out_dtype, bias, epilogue)
-  lhs, rhs = operands.pad_k_operands(lhs, rhs, k_multiple)
   store_dtype = config.store_dtype(out_dtype)
-  n_multiple = math.lcm(swizzle_elems(config.cta_tile_n, problem.dtype),
-                        swizzle_elems(config.epi_tile_n, store_dtype))
-  lhs, rhs, bias, (m, n) = operands.pad_for_tma(lhs, rhs, bias, n_multiple=n_multiple,
-                                                tile_n=config.cta_tile_n)
-  padded_m, padded_n = lhs.shape[0], rhs.shape[1]
+  lhs_minor, rhs_minor = operand_tile_minor_dims(config, transpose_lhs=layout.transpose_lhs,
+                                                 transpose_rhs=layout.transpose_rhs)
+  minor_multiple = math.lcm(swizzle_elems(lhs_minor, problem.dtype),
+                            swizzle_elems(rhs_minor, problem.dtype),
+                            swizzle_elems(config.epi_tile_n, store_dtype))
+  padded_m, padded_k, padded_n = operands.tma_sizes(
+      problem, k_multiple=k_multiple, minor_multiple=minor_multiple,
+      tile_m=config.cta_tile_m, tile_n=config.cta_tile_n)
+  lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, problem, m=padded_m, k=padded_k,
+                                         n=padded_n)
+  m, n = problem.m, problem.n
   kernel_bias, kernel_epilogue = (bias, epilogue) if config.fuses_epilogue else (None, Epilogue())
   emit = (emit_pingpong_matmul if config.schedule == Schedule.PINGPONG
           else emit_cooperative_matmul)
 
   def body(lhs_gmem, rhs_gmem, *rest):
     *bias_gmem, out_gmem = rest
-    emit(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=kernel_epilogue)
+    emit(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=kernel_epilogue,
+         layout=layout)
 
   splits = (config.k_splits,) if config.k_splits > 1 else ()
   num_tiles = pl.cdiv(padded_m, config.cta_tile_m) * pl.cdiv(padded_n, config.cta_tile_n)
   kernel = persistent_kernel(
       body, out_type=jax.ShapeDtypeStruct((*splits, padded_m, padded_n), store_dtype),
       num_blocks=min(device_facts().sm_count, num_tiles * config.k_splits),
-      name=f"ws_matmul_{config.schedule.value}")
+      name=f"ws_matmul_{config.schedule.value}_{layout.name}")
   out = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)))
   if not config.fuses_epilogue:
     # One XLA fusion reads the partials once: sum, bias, activation, cast.
@@ -201,11 +213,15 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
   # emit_pipeline allocates its slots itself, so this budget is a model
   # (tested against Mosaic GPU's own allocation in smem_budget_test).
   config.smem_budget(problem.k, problem.dtype, out_dtype).check(what=repr(config))
-  n_multiple = math.lcm(swizzle_elems(config.tile_n, problem.dtype),
-                        swizzle_elems(config.tile_n, out_dtype))
-  lhs, rhs, _, (m, n) = operands.pad_for_tma(lhs, rhs, None, n_multiple=n_multiple,
-                                             tile_n=config.tile_n)
-  padded_m, padded_n = lhs.shape[0], rhs.shape[1]
+  minor_multiple = math.lcm(swizzle_elems(config.tile_k, problem.dtype),
+                            swizzle_elems(config.tile_n, problem.dtype),
+                            swizzle_elems(config.tile_n, out_dtype))
+  padded_m, _, padded_n = operands.tma_sizes(problem, k_multiple=config.tile_k,
+                                             minor_multiple=minor_multiple,
+                                             tile_m=config.tile_m, tile_n=config.tile_n)
+  lhs, rhs, _ = operands.pad_operands(lhs, rhs, None, problem, m=padded_m, k=problem.k,
+                                      n=padded_n)
+  m, n = problem.m, problem.n
   kernel = plgpu.kernel(
       functools.partial(emit_pipelined_matmul, config=config),
       out_type=jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),

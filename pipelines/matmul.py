@@ -1,8 +1,10 @@
 """`matmul`: the library's public matmul, backed by the warp-specialized kernel.
 
 It validates the operands, picks a config (explicit, from the tuning cache, or
-the heuristic in `heuristic.py`), and supports `jax.jit`, `jax.vmap` and use
-inside `jax.shard_map` (per-device shapes). The kernel call itself is
+the heuristic in `heuristic.py`), and supports `jax.jit`, `jax.vmap`,
+`jax.grad` (a `jax.custom_vjp` whose backward products run on the same
+kernel, reading the operands in their stored layouts) and use inside
+`jax.shard_map` (per-device shapes). The kernel call itself is
 `kernel_call.ws_matmul`.
 """
 
@@ -35,35 +37,54 @@ def choose_config(problem: operands.MatmulProblem, out_dtype, *,
                         "run //tools:autotune_matmul for this shape")
     case "tune":
       from pipelines import autotune  # noqa: PLC0415 - only needed on this path.
-      return autotune.tune(lhs, rhs, out_dtype=out_dtype, store=True).best.config
+      return autotune.tune(lhs, rhs, out_dtype=out_dtype, layout=problem.layout,
+                           store=True).best.config
   return default_config(problem, out_dtype)
 
 
 def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
-           activation: str = "none", out_dtype=None, config: TuningConfig | None = None,
+           activation: str = "none", out_dtype=None, transpose_lhs: bool = False,
+           transpose_rhs: bool = False, config: TuningConfig | None = None,
            on_cache_miss: str = "heuristic") -> jax.Array:
-  """`activation(lhs @ rhs + bias)` on Hopper, fused in one kernel.
+  """`activation(op(lhs) @ op(rhs) + bias)` on Hopper, fused in one kernel.
 
   Args:
-    lhs: (M, K) float16 or bfloat16. M is arbitrary (edge tiles are masked).
-    rhs: (K, N), same dtype. N a multiple of 8; K a multiple of 16.
-    bias: optional (N,), added in float32 before the activation.
+    lhs: (M, K) float16 or bfloat16, or (K, M) with `transpose_lhs`.
+    rhs: (K, N) of the same dtype, or (N, K) with `transpose_rhs`.
+    bias: optional (N,) of any float dtype, added in float32 before the
+      activation.
     activation: "none", "relu", "gelu" (tanh approximation) or "silu".
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+    transpose_lhs, transpose_rhs: the operand is stored transposed and used
+      as `lhs.T` / `rhs.T`. The kernel reads it as stored (no transpose copy
+      in HBM), so `x.T @ y` and `x @ y.T` cost what `x @ y` does.
     config: a `TuningConfig`; by default the tuning cache's entry for this
-      GPU, jax version and shape, else what `on_cache_miss` says:
+      GPU, jax version, shape and layout, else what `on_cache_miss` says:
       "heuristic" (default), "tune" (sweep now, on a GPU) or "error".
 
-  K need not be a multiple of the config's tile_k: it is zero-padded to one
-  (a copy of both operands; the heuristic's tile_k is 64). Where M, N or K
-  is 0 no kernel runs and the result is what `jnp.dot` gives: an empty
-  array, or for K = 0 `activation(bias)` (zeros without a bias).
+  Any M, K and N work: dimensions off what the kernel's TMA copies need are
+  zero-padded (a copy of that operand): K to the config's K tile (64 in the
+  heuristic's configs), the minor dimensions to the swizzle width. Where M,
+  N or K is 0 no kernel runs and the result is what `jnp.dot` gives: an
+  empty array, or for K = 0 `activation(bias)` (zeros without a bias).
+
+  Gradients (`jax.grad`, `jax.vjp`): d lhs and d rhs are two more matmuls on
+  this kernel in the layouts that read the saved operands as stored, with
+  their own configs (the cache or heuristic for their shapes; `config`
+  applies to the forward product only); d bias sums the rows. The
+  activation's derivative is applied to the output cotangent in float32,
+  at a pre-activation that is recomputed (one more matmul, with a float32
+  output) for gelu and silu and read off the saved output for relu. The
+  cotangent then enters the backward products in the operand dtype.
+  Forward-mode differentiation (`jax.jvp`) is not supported.
 
   Returns:
     (M, N) array of `out_dtype`. Under `jax.vmap`, a batched `lhs` with an
-    unbatched `rhs` runs as one (B*M, K) matmul; other batchings loop.
+    unbatched `rhs` runs as one (B*M, K) matmul (for an (M, K) lhs); other
+    batchings loop.
   """
-  problem = operands.check_operands(lhs, rhs)
+  layout = operands.OperandLayout(transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs)
+  problem = operands.check_operands(lhs, rhs, layout)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   if config is None and problem.is_empty:
     # Nothing to tune or launch: `ws_matmul` returns without a kernel.
@@ -71,20 +92,88 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   if config is None:
     config = choose_config(problem, out_dtype, on_cache_miss=on_cache_miss, lhs=lhs, rhs=rhs)
   epilogue = Epilogue(activation=activation, has_bias=bias is not None)
-  return _make_batchable(config, epilogue, out_dtype)(lhs, rhs, bias)
+  return _make_differentiable(config, epilogue, out_dtype, layout)(lhs, rhs, bias)
 
 
 @functools.cache
-def _make_batchable(config: TuningConfig, epilogue: Epilogue, out_dtype):
+def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
+                         layout: operands.OperandLayout):
+  run = _make_batchable(config, epilogue, out_dtype, layout)
+
+  @jax.custom_vjp
+  def differentiable(lhs, rhs, bias):
+    return run(lhs, rhs, bias)
+
+  def forward(lhs, rhs, bias):
+    # Through the custom_vjp, so that differentiating this backward pass
+    # again (grad of grad) never reaches the kernel's own rule-less primitive.
+    out = differentiable(lhs, rhs, bias)
+    # relu's derivative is read off the output, which costs nothing to keep;
+    # gelu and silu recompute their pre-activation in the backward pass
+    # rather than have the kernel store a second (M, N) array.
+    return out, (lhs, rhs, bias, out if epilogue.activation == "relu" else None)
+
+  def backward(residuals, out_cotangent):
+    lhs, rhs, bias, out = residuals
+    g = out_cotangent.astype(jnp.float32)
+    if epilogue.activation == "relu":
+      g = jnp.where(out > 0, g, 0.0)
+    elif epilogue.activation != "none":
+      pre_activation = matmul(lhs, rhs, bias, out_dtype=jnp.float32,
+                              transpose_lhs=layout.transpose_lhs,
+                              transpose_rhs=layout.transpose_rhs)
+      g = g * epilogue.derivative(pre_activation)
+    d_bias = None if bias is None else g.sum(axis=0).astype(bias.dtype)
+    g = g.astype(lhs.dtype)
+    cotangents = (*_operand_cotangents(lhs, rhs, g, layout), d_bias)
+    return tuple(None if ct is None else _vary_like(ct, primal)
+                 for ct, primal in zip(cotangents, (lhs, rhs, bias), strict=True))
+
+  differentiable.defvjp(forward, backward)
+  return differentiable
+
+
+def _vary_like(cotangent, primal):
+  """`cotangent`, marked as varying over the mesh axes `primal` varies over.
+
+  Inside `jax.shard_map` a cotangent must have its primal's type, and the
+  kernels' outputs do not say over which manual axes they vary.
+  """
+  axes = jax.typeof(primal).manual_axis_type.varying
+  missing = tuple(axes - jax.typeof(cotangent).manual_axis_type.varying)
+  return jax.lax.pcast(cotangent, missing, to="varying") if missing else cotangent
+
+
+def _operand_cotangents(lhs, rhs, g, layout: operands.OperandLayout):
+  """(d lhs, d rhs) of `op(lhs) @ op(rhs)` for the cotangent g (M, N), each one
+  matmul that reads lhs, rhs and g as they are stored, so no operand is
+  transposed in HBM. With A = op(lhs), B = op(rhs): dA = g @ B.T, dB = A.T @ g,
+  and a transposed operand gets the transposed cotangent (B @ g.T, g.T @ A).
+  """
+  t_lhs, t_rhs = layout.transpose_lhs, layout.transpose_rhs
+  if t_lhs:  # d lhs = dA.T = B @ g.T, B stored as rhs.
+    d_lhs = matmul(rhs, g, transpose_lhs=t_rhs, transpose_rhs=True)
+  else:      # d lhs = dA = g @ B.T.
+    d_lhs = matmul(g, rhs, transpose_rhs=not t_rhs)
+  if t_rhs:  # d rhs = dB.T = g.T @ A, A stored as lhs.
+    d_rhs = matmul(g, lhs, transpose_lhs=True, transpose_rhs=t_lhs)
+  else:      # d rhs = dB = A.T @ g.
+    d_rhs = matmul(lhs, g, transpose_lhs=not t_lhs)
+  return d_lhs, d_rhs
+
+
+@functools.cache
+def _make_batchable(config: TuningConfig, epilogue: Epilogue, out_dtype,
+                    layout: operands.OperandLayout):
   @custom_batching.custom_vmap
   def run(lhs, rhs, bias):
     return kernel_call.ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue,
-                                    out_dtype=out_dtype)
+                                 out_dtype=out_dtype, layout=layout)
 
   @run.def_vmap
   def _vmap_rule(axis_size, in_batched, lhs, rhs, bias):
     lhs_b, rhs_b, bias_b = in_batched
-    if lhs_b and not rhs_b and not bias_b:
+    if lhs_b and not rhs_b and not bias_b and not layout.transpose_lhs:
       # One matmul over the stacked rows keeps a single kernel launch.
       batch, m, k = lhs.shape
       out = run(lhs.reshape(batch * m, k), rhs, bias)

@@ -35,8 +35,10 @@ class MatmulTest(base.MatmulTestBase):
 
   tiled_by_config = False
 
-  def run_matmul(self, lhs, rhs, bias=None, *, epilogue=Epilogue(), out_dtype=None):
-    return matmul(lhs, rhs, bias, activation=epilogue.activation, out_dtype=out_dtype)
+  def run_matmul(self, lhs, rhs, bias=None, *, epilogue=Epilogue(), out_dtype=None,
+                 layout=base.NN):
+    return matmul(lhs, rhs, bias, activation=epilogue.activation, out_dtype=out_dtype,
+                  transpose_lhs=layout.transpose_lhs, transpose_rhs=layout.transpose_rhs)
 
 
 class MatmulApiTest(testing.KernelTestCase):
@@ -128,14 +130,17 @@ class BadInputTest(parameterized.TestCase):
         ((a, jnp.zeros((64, 64), jnp.bfloat16)), "dtypes differ"),
         ((a.astype(jnp.float32), jnp.zeros((64, 64), jnp.float32)), "lhs.dtype=float32"),
         ((a[None], jnp.zeros((64, 64), jnp.float16)), "lhs must be 2-D"),
-        ((jnp.zeros((128, 40), jnp.float16), jnp.zeros((40, 64), jnp.float16)),
-         "multiple of 16"),
-        ((a, jnp.zeros((64, 60), jnp.float16)), "N=60 must be a multiple of 8"),
     ]
     for fn in (matmul, pipelined_matmul):
       for args, message in cases:
         with self.assertRaisesRegex(ValueError, message):
           fn(*args)
+    # The pipelined kernel does not pad K (matmul does).
+    with self.assertRaisesRegex(ValueError, "K=40 must be a multiple of tile_k=64"):
+      pipelined_matmul(jnp.zeros((128, 40), jnp.float16), jnp.zeros((40, 64), jnp.float16))
+    # A stored layout that does not match the flags: K is lhs.shape[0] when transposed.
+    with self.assertRaisesRegex(ValueError, r"K of lhs and rhs differ.*lhs stored as \(K, M\)"):
+      matmul(a, jnp.zeros((64, 32), jnp.float16), transpose_lhs=True)
 
   def test_config_errors(self):
     with self.assertRaisesRegex(ValueError, "tile_m=96"):

@@ -19,6 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import device, testing
 from pipelines import Epilogue, kernel_call, matmul_reference
+from pipelines.operands import NN, OperandLayout
 
 DTYPES = (jnp.float16, jnp.bfloat16)
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
@@ -28,12 +29,14 @@ ODD_EPILOGUE_TILINGS = (
     dict(tile_m=64, tile_n=192, epi_tile_m=64, epi_tile_n=64),
     dict(tile_m=192, tile_n=64, epi_tile_m=64, epi_tile_n=64),
 )
+LAYOUTS = tuple(OperandLayout(transpose_lhs=tl, transpose_rhs=tr)
+                for tl in (False, True) for tr in (False, True))
 
 
-def operands(seed: int, m: int, k: int, n: int, dtype):
-  """Random normal (M, K) and (K, N) operands from a fixed seed."""
-  return (testing.random_array(seed, (m, k), dtype),
-          testing.random_array(seed + 1, (k, n), dtype))
+def operands(seed: int, m: int, k: int, n: int, dtype, layout: OperandLayout = NN):
+  """Random normal operands of an (M, K) x (K, N) problem, stored as `layout` says."""
+  return (testing.random_array(seed, layout.lhs_shape(m, k), dtype),
+          testing.random_array(seed + 1, layout.rhs_shape(k, n), dtype))
 
 
 def no_kernel_built():
@@ -56,21 +59,24 @@ class MatmulTestBase(testing.KernelTestCase):
     supports_k_padding: K a multiple of 16 but not of the K tile.
     tiled_by_config: the config has epilogue tiles (`ODD_EPILOGUE_TILINGS`)
       and a persistent grid (`with_blocks`).
+    supports_layouts: operands stored transposed (`LAYOUTS`).
   """
 
   supports_epilogue = True
   supports_ragged = True
   supports_k_padding = True
   tiled_by_config = True
+  supports_layouts = True
   # Aligned shapes for implementations that need whole tiles.
   aligned_shapes = ((128, 256, 128), (256, 128, 256))
 
   def run_matmul(self, lhs, rhs, bias=None, *, epilogue: Epilogue = Epilogue(),
-                 out_dtype=None, config_fields: dict | None = None):
-    """`epilogue(lhs @ rhs + bias)` with the implementation under test.
+                 out_dtype=None, config_fields: dict | None = None,
+                 layout: OperandLayout = NN):
+    """`epilogue(op(lhs) @ op(rhs) + bias)` with the implementation under test.
 
     `config_fields` overrides fields of the implementation's config (only
-    when `tiled_by_config`).
+    when `tiled_by_config`); `layout` is passed only when `supports_layouts`.
     """
     raise NotImplementedError
 
@@ -79,19 +85,23 @@ class MatmulTestBase(testing.KernelTestCase):
       self.skipTest(f"{type(self).__name__} does not support {what}")
 
   def check(self, shape, dtype, *, seed: int, epilogue: Epilogue = Epilogue(), out_dtype=None,
-            config_fields: dict | None = None, num_blocks: int | None = None):
+            config_fields: dict | None = None, num_blocks: int | None = None,
+            layout: OperandLayout = NN):
     """Runs the implementation on random operands, on a persistent grid capped
     at `num_blocks` if given, and compares with the reference; returns the output."""
     m, k, n = shape
-    lhs, rhs = operands(seed, m, k, n, dtype)
+    lhs, rhs = operands(seed, m, k, n, dtype, layout)
     bias = testing.random_array(seed + 2, (n,), dtype) if epilogue.has_bias else None
     kwargs = dict(epilogue=epilogue, out_dtype=out_dtype)
     if config_fields:
       kwargs["config_fields"] = config_fields
+    if layout != NN:
+      kwargs["layout"] = layout
     with with_blocks(num_blocks) if num_blocks else contextlib.nullcontext():
       out = self.run_kernel(self.run_matmul, lhs, rhs, bias, **kwargs)
     self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype or dtype)))
-    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue), dtype=dtype)
+    self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue, layout=layout),
+                      dtype=dtype)
     return out
 
   @parameterized.product(dtype=DTYPES, shape_index=[0, 1])
@@ -106,6 +116,20 @@ class MatmulTestBase(testing.KernelTestCase):
   def test_ragged_m_and_n_are_masked(self, m, k, n):
     self.requires("ragged M and N", self.supports_ragged)
     self.check((m, k, n), jnp.float16, seed=7)
+
+  @parameterized.product(layout_index=list(range(len(LAYOUTS))),
+                         shape=[(128, 128, 128), (200, 80, 136)])
+  def test_operand_layouts(self, layout_index, shape):
+    """Operands stored transposed, on whole tiles and on ragged M, K and N."""
+    self.requires("transposed operands", self.supports_layouts)
+    self.requires("ragged shapes", self.supports_ragged or shape == (128, 128, 128))
+    self.check(shape, jnp.bfloat16, seed=33, layout=LAYOUTS[layout_index],
+               epilogue=Epilogue(activation="silu", has_bias=self.supports_epilogue))
+
+  def test_any_k_and_n(self):
+    """K and N off every multiple: padded by the wrapper."""
+    self.requires("K off the K tile", self.supports_k_padding)
+    self.check((72, 40, 60), jnp.float16, seed=35)
 
   @parameterized.product(activation=ACTIVATIONS, has_bias=[False, True],
                          out_dtype=[None, jnp.float32])

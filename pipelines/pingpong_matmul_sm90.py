@@ -31,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from core import accumulator, barrier, smem
 from pipelines.config import NUM_COMPUTE_WGS, TuningConfig
 from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
+from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import (
     MEMORY_WG_REGISTERS,
     SM_AXIS,
@@ -43,7 +44,8 @@ from pipelines.persistent_sm90 import (
 _COPIES_PER_SLOT = 2
 
 
-def pingpong_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool) -> dict:
+def pingpong_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool,
+                     layout: OperandLayout = NN) -> dict:
   """The SMEM `emit_pingpong_matmul` allocates for K = `k`, by name.
 
   The kernel allocates exactly this, and `kernel_call.ws_smem_budget` sums
@@ -53,8 +55,11 @@ def pingpong_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias
   del k  # The ring does not depend on K.
   slots = config.max_concurrent_steps
   return dict(
-      lhs_smem=smem((slots, config.tile_m, config.tile_k), dtype, swizzled=True),
-      rhs_smem=smem((slots, config.tile_k, config.tile_n), dtype, swizzled=True),
+      # Tiles as the operands are stored (`OperandLayout`).
+      lhs_smem=smem((slots, *layout.lhs_shape(config.tile_m, config.tile_k)), dtype,
+                    swizzled=True),
+      rhs_smem=smem((slots, *layout.rhs_shape(config.tile_k, config.tile_n)), dtype,
+                    swizzled=True),
       # Warpgroup w's barriers for slot s are number w * slots + s.
       loaded=barrier(num_barriers=config.slot_barrier_sets * slots,
                      num_arrivals=_COPIES_PER_SLOT),
@@ -64,7 +69,7 @@ def pingpong_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias
 
 
 def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: TuningConfig,
-                         epilogue: Epilogue = Epilogue()) -> None:
+                         epilogue: Epilogue = Epilogue(), layout: OperandLayout = NN) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + bias_gmem)` inside a kernel.
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
@@ -74,12 +79,16 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
   `config.tile_k`.
 
   Args:
-    lhs_gmem: (M, K) ref; rhs_gmem: (K, N) ref; out_gmem: (M, N) ref.
+    lhs_gmem: (M, K) ref, or (K, M) with `layout.transpose_lhs`.
+    rhs_gmem: (K, N) ref, or (N, K) with `layout.transpose_rhs`.
+    out_gmem: (M, N) ref.
     bias_gmem: (N,) float32 ref, or None.
     config: a `TuningConfig` with `schedule=Schedule.PINGPONG`.
+    layout: how lhs_gmem and rhs_gmem are stored; transposed operands are
+      loaded as stored and handed to wgmma as transposed SMEM views.
   """
-  m, k = lhs_gmem.shape
-  n = rhs_gmem.shape[1]
+  k, m = lhs_gmem.shape if layout.transpose_lhs else lhs_gmem.shape[::-1]
+  n = rhs_gmem.shape[0] if layout.transpose_rhs else rhs_gmem.shape[1]
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   m_tiles, n_tiles, k_steps = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n), k // tile_k
   slots = config.max_concurrent_steps
@@ -88,7 +97,7 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
   # which the next load may need only if the ring has two slots or more.
   in_flight = 1 if slots > 1 else 0
   scratch = pingpong_scratch(config, lhs_gmem.dtype, out_gmem.dtype, k=k,
-                             has_bias=bias_gmem is not None)
+                             has_bias=bias_gmem is not None, layout=layout)
 
   def tile_loop(body):
     """Runs `body(owner, first_position, m_tile, n_tile)` for each of this block's tiles.
@@ -130,10 +139,13 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
 
           k_slice = pl.ds(kk * tile_k, tile_k)
           bar = loaded.at[barrier_of(position, owner)]
-          plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(m_tile * tile_m, tile_m), k_slice],
-                                  lhs_smem.at[slot], bar)
-          plgpu.copy_gmem_to_smem(rhs_gmem.at[k_slice, pl.ds(n_tile * tile_n, tile_n)],
-                                  rhs_smem.at[slot], bar)
+          m_slice, n_slice = pl.ds(m_tile * tile_m, tile_m), pl.ds(n_tile * tile_n, tile_n)
+          lhs_tile = (lhs_gmem.at[k_slice, m_slice] if layout.transpose_lhs
+                      else lhs_gmem.at[m_slice, k_slice])
+          rhs_tile = (rhs_gmem.at[n_slice, k_slice] if layout.transpose_rhs
+                      else rhs_gmem.at[k_slice, n_slice])
+          plgpu.copy_gmem_to_smem(lhs_tile, lhs_smem.at[slot], bar)
+          plgpu.copy_gmem_to_smem(rhs_tile, rhs_smem.at[slot], bar)
 
       tile_loop(load_tile)
       # Wait for the releases of the last positions too, so that no barrier
@@ -169,7 +181,10 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
               position = first_position + kk
               slot = slot_of(position)
               plgpu.barrier_wait(loaded.at[barrier_of(position, wg)])
-              plgpu.wgmma(acc_ref, lhs_smem.at[slot], rhs_smem.at[slot])
+              # A transposed operand's tile is read through a transposed view.
+              lhs_tile, rhs_tile = lhs_smem.at[slot], rhs_smem.at[slot]
+              plgpu.wgmma(acc_ref, lhs_tile.T if layout.transpose_lhs else lhs_tile,
+                          rhs_tile.T if layout.transpose_rhs else rhs_tile)
               plgpu.wgmma_wait(in_flight)
 
               @pl.when(kk >= in_flight)

@@ -32,9 +32,10 @@ SMALL_PINGPONG = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_st
 class PingPongMatmulTest(base.MatmulTestBase):
 
   def run_matmul(self, lhs, rhs, bias=None, *, epilogue=Epilogue(), out_dtype=None,
-                 config_fields=None):
+                 config_fields=None, layout=base.NN):
     config = dataclasses.replace(SMALL_PINGPONG, **(config_fields or {}))
-    return ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue, out_dtype=out_dtype)
+    return ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue, out_dtype=out_dtype,
+                     layout=layout)
 
   @parameterized.parameters(
       # 12 tiles on 2 blocks: 3 per warpgroup; ragged N; 3 K steps through 2

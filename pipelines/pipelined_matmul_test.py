@@ -17,6 +17,7 @@ class PipelinedMatmulTest(base.MatmulTestBase):
   supports_epilogue = False
   supports_k_padding = False
   tiled_by_config = False
+  supports_layouts = False
 
   def run_matmul(self, lhs, rhs, bias=None, *, epilogue=Epilogue(), out_dtype=None):
     if bias is not None or epilogue != Epilogue():

@@ -18,7 +18,7 @@ from pipelines import (
     ws_matmul,
     ws_smem_budget,
 )
-from pipelines.operands import MatmulProblem
+from pipelines.operands import MatmulProblem, OperandLayout
 from pipelines.pallas_call_matmul import DEFAULT_CONFIG as PALLAS_CALL_DEFAULT
 
 S = jax.ShapeDtypeStruct
@@ -61,6 +61,22 @@ class SmemModelTest(parameterized.TestCase):
     problem = MatmulProblem(m=1024, k=4096, n=2048, dtype=jnp.dtype(jnp.bfloat16))
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
                      ws_smem_budget(config, problem, out_dtype, has_bias=has_bias).total_bytes)
+
+  @parameterized.product(
+      config=[TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=3,
+                           wg_dimension=MatmulDimension.M),
+              TuningConfig(tile_m=128, tile_n=192, max_concurrent_steps=4,
+                           schedule=Schedule.PINGPONG)],
+      transpose_lhs=[False, True], transpose_rhs=[False, True])
+  def test_warp_specialized_layouts(self, config, transpose_lhs, transpose_rhs):
+    """Tiles stored as the operands are: the same bytes, other shapes."""
+    layout = OperandLayout(transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs)
+    fn = functools.partial(ws_matmul, config=config, layout=layout)
+    args = (S(layout.lhs_shape(1024, 4096), jnp.bfloat16),
+            S(layout.rhs_shape(4096, 2048), jnp.bfloat16))
+    problem = MatmulProblem(m=1024, k=4096, n=2048, dtype=jnp.dtype(jnp.bfloat16), layout=layout)
+    self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
+                     ws_smem_budget(config, problem, jnp.bfloat16).total_bytes)
 
   @parameterized.parameters(
       (PALLAS_CALL_DEFAULT, 4096, jnp.float16),

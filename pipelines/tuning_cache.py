@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from core import device_facts
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
-from pipelines.operands import MatmulProblem
+from pipelines.operands import NN, MatmulProblem
 
 CACHE_ENV = "MGPU_TUNING_CACHE"
 DEFAULT_CACHE = pathlib.Path(__file__).with_name("tuning_cache.json")
@@ -48,9 +48,12 @@ def cache_path() -> pathlib.Path:
 
 
 def cache_key(problem: MatmulProblem, out_dtype, *, device_kind: str | None = None) -> str:
+  """GPU, jax version, shape, dtypes and, for transposed operands, the layout
+  ("|TN", "|NT", "|TT"; none for the plain "NN", so older keys still hold)."""
   kind = device_kind or device_facts().name
+  layout = "" if problem.layout == NN else f"|{problem.layout.name}"
   return (f"{kind}|jax={jax.__version__}|{problem.m}x{problem.k}x{problem.n}|"
-          f"{problem.dtype.name}->{jnp.dtype(out_dtype).name}")
+          f"{problem.dtype.name}->{jnp.dtype(out_dtype).name}{layout}")
 
 
 def config_to_json(config: TuningConfig) -> dict:

@@ -19,12 +19,14 @@ import os
 from absl import app, flags
 
 from core import has_gpu
-from pipelines import autotune, tuning_cache
+from pipelines import autotune, operands, tuning_cache
 from pipelines.config import Schedule, TuningConfig
 from tools import cli, report
 
 _SHAPES = flags.DEFINE_list("shapes", ["4096x4096x4096"], "Problems as MxKxN.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float16"], "Operand dtypes.")
+_LAYOUT = flags.DEFINE_enum("layout", "NN", ["NN", "TN", "NT", "TT"],
+                            "Operand layout (T: stored transposed, lhs then rhs).")
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"), "Where sweeps go.")
 _CACHE = flags.DEFINE_string("cache", None, "Tuning cache file to update.")
 _QUICK = flags.DEFINE_bool(
@@ -78,23 +80,28 @@ def main(argv):
     os.environ[tuning_cache.CACHE_ENV] = _CACHE.value
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   space = search_space()
+  layout = operands.OperandLayout(transpose_lhs=_LAYOUT.value[0] == "T",
+                                  transpose_rhs=_LAYOUT.value[1] == "T")
   failed = []
   for shape in _SHAPES.value:
     m, k, n = cli.parse_shape(shape)
     for dtype in _DTYPES.value:
       lhs, rhs = cli.random_operands(m, k, n, dtype)
-      out_json = os.path.join(_OUT_DIR.value, f"autotune_{shape}_{dtype}.json")
+      # Stored as the layout says (a transposed copy here is outside the timing).
+      lhs = lhs.T if layout.transpose_lhs else lhs
+      rhs = rhs.T if layout.transpose_rhs else rhs
+      out_json = os.path.join(_OUT_DIR.value, f"autotune_{shape}_{dtype}_{layout.name}.json")
       try:
-        sweep = autotune.tune(lhs, rhs, space=space, store=True)
+        sweep = autotune.tune(lhs, rhs, layout=layout, space=space, store=True)
       except autotune.TuningError as e:
         # Keep the rejections for a look at why, and go on to the next problem.
         report.write_json(out_json, _rows(e.rejected))
-        print(f"== {shape} {dtype}: nothing passed (reasons in {out_json})\n{e}")
-        failed.append(f"{shape} {dtype}")
+        print(f"== {shape} {dtype} {layout.name}: nothing passed (reasons in {out_json})\n{e}")
+        failed.append(f"{shape} {dtype} {layout.name}")
         continue
       report.write_json(out_json, _rows(sweep.timed + sweep.rejected))
       stored = sweep.stored_at or "no cache file (see the warning above)"
-      print(f"== {shape} {dtype}: best of {len(sweep.timed)} that passed "
+      print(f"== {shape} {dtype} {layout.name}: best of {len(sweep.timed)} that passed "
             f"({len(sweep.rejected)} rejected); winner stored in {stored}")
       report.print_table(_rows(sweep.timed[:5]),
                          [f.name for f in dataclasses.fields(autotune.TuningConfig)]

@@ -1,0 +1,160 @@
+"""Gradients through `matmul`, against `jax.grad` of the float32 reference.
+
+Every epilogue, output dtype and operand layout, on whole tiles and on ragged
+shapes; that the backward products read the operands as stored (no transpose
+in the lowered program); and that `matmul` composes with jit, vmap,
+shard_map, checkpoint, scan and a second `jax.grad`.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from core import interpret, testing
+from pipelines import Epilogue, matmul, matmul_reference
+from pipelines import matmul_test_base as base
+
+ACTIVATIONS = ("none", "relu", "gelu", "silu")
+
+
+def loss_and_reference(*, activation, has_bias, out_dtype, layout, weights):
+  """(loss through matmul, the same loss through the float32 reference): a
+  weighted sum of the output, so every element gets a different cotangent."""
+  epilogue = Epilogue(activation=activation, has_bias=has_bias)
+
+  def loss(lhs, rhs, bias):
+    out = matmul(lhs, rhs, bias, activation=activation, out_dtype=out_dtype,
+                 transpose_lhs=layout.transpose_lhs, transpose_rhs=layout.transpose_rhs)
+    return jnp.sum(out.astype(jnp.float32) * weights)
+
+  def reference(lhs, rhs, bias):
+    out = matmul_reference(lhs, rhs, bias, epilogue=epilogue, layout=layout)
+    return jnp.sum(out * weights)
+
+  return loss, reference
+
+
+class MatmulGradTest(testing.KernelTestCase):
+
+  def check_grads(self, shape, *, dtype=jnp.bfloat16, activation="gelu", has_bias=True,
+                  out_dtype=jnp.float32, layout=base.NN, seed=40):
+    m, k, n = shape
+    lhs, rhs = base.operands(seed, m, k, n, dtype, layout)
+    bias = testing.random_array(seed + 2, (n,), jnp.float32) if has_bias else None
+    weights = testing.random_array(seed + 3, (m, n), jnp.float32)
+    loss, reference = loss_and_reference(activation=activation, has_bias=has_bias,
+                                         out_dtype=out_dtype, layout=layout, weights=weights)
+    grads = self.run_kernel(jax.grad(loss, argnums=(0, 1, 2)), lhs, rhs, bias)
+    f32 = [None if x is None else x.astype(jnp.float32) for x in (lhs, rhs, bias)]
+    expected = jax.grad(reference, argnums=(0, 1, 2))(*f32)
+    for name, got, want, primal in zip(("lhs", "rhs", "bias"), grads, expected, (lhs, rhs, bias),
+                                       strict=True):
+      if primal is None:
+        self.assertIsNone(got)
+        continue
+      with self.subTest(cotangent=name):
+        self.assertEqual((got.shape, got.dtype), (primal.shape, primal.dtype))
+        # The cotangent enters the backward products in the operand dtype.
+        self.assert_close(got, want, dtype=dtype)
+
+  @parameterized.product(activation=ACTIVATIONS, layout_index=list(range(len(base.LAYOUTS))))
+  def test_epilogues_and_layouts_on_ragged_shapes(self, activation, layout_index):
+    self.check_grads((72, 80, 56), activation=activation, layout=base.LAYOUTS[layout_index])
+
+  @parameterized.product(out_dtype=[jnp.float16, jnp.bfloat16, jnp.float32],
+                         has_bias=[False, True])
+  def test_output_dtypes_on_whole_tiles(self, out_dtype, has_bias):
+    dtype = jnp.float16 if out_dtype == jnp.float16 else jnp.bfloat16
+    self.check_grads((128, 128, 128), dtype=dtype, activation="relu", has_bias=has_bias,
+                     out_dtype=out_dtype)
+
+  def test_backward_reads_operands_as_stored(self):
+    """The lowered backward pass has matmul kernels and no transpose of an operand."""
+    lhs, rhs = base.operands(41, 256, 128, 192, jnp.bfloat16)
+    bias = testing.random_array(43, (192,), jnp.float32)
+    weights = testing.random_array(44, (256, 192), jnp.float32)
+    loss, _ = loss_and_reference(activation="silu", has_bias=True, out_dtype=jnp.float32,
+                                 layout=base.NN, weights=weights)
+    with interpret.interpret_disabled():
+      text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(lhs, rhs, bias).lower(
+          lowering_platforms=("cuda",)).as_text()
+    # The forward product, the recomputed pre-activation, d lhs and d rhs.
+    self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 4)
+    self.assertNotIn("stablehlo.transpose", text)
+
+  def test_jvp_raises_one_clear_error(self):
+    lhs, rhs = base.operands(45, 64, 64, 64, jnp.bfloat16)
+    with self.assertRaisesRegex(TypeError, "can't apply forward-mode autodiff"):
+      jax.jvp(matmul, (lhs, rhs), (lhs, rhs))
+
+  def test_grad_of_grad(self):
+    """The backward pass is made of matmuls, so it is differentiable again."""
+    lhs, rhs = base.operands(46, 64, 64, 64, jnp.bfloat16)
+
+    def inner(a, b):
+      return jnp.sum(matmul(a, b, out_dtype=jnp.float32) ** 2)
+
+    def outer(a, b):
+      return jnp.sum(jax.grad(inner)(a, b).astype(jnp.float32))
+
+    def outer_reference(a, b):
+      def inner_reference(a, b):
+        return jnp.sum(matmul_reference(a, b) ** 2)
+      return jnp.sum(jax.grad(inner_reference)(a, b))
+
+    got = self.run_kernel(jax.grad(outer), lhs, rhs)
+    want = jax.grad(outer_reference)(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    self.assert_close(got, want, dtype=jnp.bfloat16, tolerance=3e-2)
+
+  def test_under_jit_vmap_checkpoint_and_scan(self):
+    """Batched lhs with a shared rhs, both batched, under checkpoint and inside scan."""
+    lhs = testing.random_array(47, (2, 64, 64), jnp.bfloat16)
+    rhs = testing.random_array(48, (64, 64), jnp.bfloat16)
+    rhs_batch = testing.random_array(49, (2, 64, 64), jnp.bfloat16)
+    mm = functools.partial(matmul, activation="relu", out_dtype=jnp.float32)
+    ref = functools.partial(matmul_reference, epilogue=Epilogue(activation="relu"))
+    f32 = functools.partial(jax.tree.map, lambda x: x.astype(jnp.float32))
+    cases = {
+        "vmap, shared rhs": (lambda a, b: jnp.sum(jax.vmap(mm, (0, None))(a, b) ** 2),
+                             lambda a, b: jnp.sum(jax.vmap(ref, (0, None))(a, b) ** 2), rhs),
+        "vmap, both batched": (lambda a, b: jnp.sum(jax.vmap(mm)(a, b) ** 2),
+                               lambda a, b: jnp.sum(jax.vmap(ref)(a, b) ** 2), rhs_batch),
+        "checkpoint": (lambda a, b: jnp.sum(jax.checkpoint(jax.vmap(mm, (0, None)))(a, b) ** 2),
+                       lambda a, b: jnp.sum(jax.vmap(ref, (0, None))(a, b) ** 2), rhs),
+        "scan": (lambda a, b: jnp.sum(jax.lax.scan(lambda c, x: (c + mm(x, b), None),
+                                                   jnp.zeros((64, 64)), a)[0] ** 2),
+                 lambda a, b: jnp.sum(jax.lax.scan(lambda c, x: (c + ref(x, b), None),
+                                                   jnp.zeros((64, 64)), a)[0] ** 2), rhs),
+    }
+    for name, (loss, reference, b) in cases.items():
+      with self.subTest(name):
+        if name == "checkpoint" and self.backend == testing.INTERPRET:
+          self.skipTest("the GPU interpreter orders kernels with an ordered io_callback, which "
+                        "jax.checkpoint cannot differentiate; this case runs on the GPU")
+        got = self.run_kernel(jax.jit(jax.grad(loss, argnums=(0, 1))), lhs, b)
+        want = jax.grad(reference, argnums=(0, 1))(*f32((lhs, b)))
+        for g, w in zip(got, want, strict=True):
+          self.assert_close(g, w, dtype=jnp.bfloat16)
+
+  def test_inside_shard_map(self):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    spec = jax.sharding.PartitionSpec
+    lhs, rhs = base.operands(50, 128, 64, 64, jnp.bfloat16)
+
+    def loss(a, b):
+      out = jax.shard_map(functools.partial(matmul, out_dtype=jnp.float32), mesh=mesh,
+                          in_specs=(spec("x", None), spec()), out_specs=spec("x", None))(a, b)
+      return jnp.sum(out ** 2)
+
+    got = self.run_kernel(jax.jit(jax.grad(loss, argnums=(0, 1))), lhs, rhs)
+    want = jax.grad(lambda a, b: jnp.sum(matmul_reference(a, b) ** 2), argnums=(0, 1))(
+        lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    for g, w in zip(got, want, strict=True):
+      self.assert_close(g, w, dtype=jnp.bfloat16)
+
+
+if __name__ == "__main__":
+  absltest.main()
