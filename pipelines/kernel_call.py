@@ -81,7 +81,7 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   if not 0 <= delay_release < config.max_concurrent_steps:
     raise ValueError(f"delay_release={delay_release} must be in [0, max_concurrent_steps="
                      f"{config.max_concurrent_steps})")
-  if problem.k:
+  if problem.k:  # K = 0 runs no kernel (`empty_result`), so it allocates nothing.
     ws_smem_budget(config, problem, out_dtype, has_bias=has_bias,
                    delay_release=delay_release).check(what=repr(config))
 
