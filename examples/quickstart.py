@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from core import device_facts, is_interpreting
 from examples import quickstart_kernels
+from tools import cli
 
 _LENGTH = flags.DEFINE_integer("length", 4096, "Length of the iota (a multiple of --block).")
 _BLOCK = flags.DEFINE_integer("block", 256, "Elements per grid block of the iota.")
@@ -37,4 +38,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -6,8 +6,9 @@
 
 Writes each winner into the tuning cache (`pipelines/tuning_cache.json`, or
 `--cache`), keyed by GPU kind, jax version and problem, and the full sweep to
-`--out_dir/autotune_<shape>_<dtype>.json` (the configs that passed, fastest
-first, then the rejected ones with their reasons). A problem for which no config
+`--out_dir/autotune_<shape>_<dtype>_<layout>.json`: the configs that passed,
+fastest first, then the rejected ones with their reasons. Relative paths are
+relative to where the command ran, under `bazel run` too. A problem for which no config
 passes is reported and skipped; the exit status is then nonzero. Needs a Hopper GPU.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from absl import app, flags
+from absl import flags
 
 from core import has_gpu
 from pipelines import autotune, operands, tuning_cache
@@ -27,7 +28,8 @@ _SHAPES = flags.DEFINE_list("shapes", ["4096x4096x4096"], "Problems as MxKxN.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float16"], "Operand dtypes.")
 _LAYOUT = flags.DEFINE_enum("layout", "NN", ["NN", "TN", "NT", "TT"],
                             "Operand layout (T: stored transposed, lhs then rhs).")
-_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"), "Where sweeps go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
+                               "Where sweeps go; relative to where the command ran.")
 _CACHE = flags.DEFINE_string("cache", None, "Tuning cache file to update.")
 _QUICK = flags.DEFINE_bool(
     "quick", False, "A smaller search space: 4 slots, widths 8 and 16, 64x64 epilogue tiles.")
@@ -77,8 +79,8 @@ def main(argv):
   if not has_gpu():
     raise SystemExit("autotune_matmul needs a Hopper GPU; none is visible to JAX.")
   if _CACHE.value:
-    os.environ[tuning_cache.CACHE_ENV] = _CACHE.value
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
+    os.environ[tuning_cache.CACHE_ENV] = cli.user_path(_CACHE.value)
+  out_dir = cli.output_dir(_OUT_DIR.value)
   space = search_space()
   layout = operands.OperandLayout(transpose_lhs=_LAYOUT.value[0] == "T",
                                   transpose_rhs=_LAYOUT.value[1] == "T")
@@ -90,7 +92,7 @@ def main(argv):
       # Stored as the layout says (a transposed copy here is outside the timing).
       lhs = lhs.T if layout.transpose_lhs else lhs
       rhs = rhs.T if layout.transpose_rhs else rhs
-      out_json = os.path.join(_OUT_DIR.value, f"autotune_{shape}_{dtype}_{layout.name}.json")
+      out_json = os.path.join(out_dir, f"autotune_{shape}_{dtype}_{layout.name}.json")
       try:
         sweep = autotune.tune(lhs, rhs, layout=layout, space=space, store=True)
       except autotune.TuningError as e:
@@ -100,6 +102,7 @@ def main(argv):
         failed.append(f"{shape} {dtype} {layout.name}")
         continue
       report.write_json(out_json, _rows(sweep.timed + sweep.rejected))
+      cli.say_written([out_json])
       stored = sweep.stored_at or "no cache file (see the warning above)"
       print(f"== {shape} {dtype} {layout.name}: best of {len(sweep.timed)} that passed "
             f"({len(sweep.rejected)} rejected); winner stored in {stored}")
@@ -111,4 +114,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

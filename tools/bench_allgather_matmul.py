@@ -5,16 +5,17 @@
 The reference results' problem by default: float16, M_shard 1024, K 4096,
 N_shard 4096 on 2, 4 and 8 GPUs (the counts this host has). Prints the table
 of `tools.collective_table` and writes `allgather_matmul_bench.json` and
-`allgather_matmul_bench.png` to `--out_dir`. Needs Hopper GPUs.
+`allgather_matmul_bench.png` to `--out_dir` (a relative one is relative to where
+the command ran, under `bazel run` too) and prints where. Needs Hopper GPUs.
 """
 
 from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import flags
 
-from tools import collective_table, launch, report
+from tools import cli, collective_table, launch, report
 
 _DEVICE_COUNTS = flags.DEFINE_list("device_counts", ["2", "4", "8"], "Ring sizes.")
 _M_SHARD = flags.DEFINE_integer("m_shard", 1024, "LHS rows per device.")
@@ -24,7 +25,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "float16", ["float16", "bfloat16"], "Operand
 _CONFIGS = flags.DEFINE_multi_string("config", [""], "TuningConfig fields (repeat to compare); "
                                      "empty: the matmul heuristic.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per measurement.")
-_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"), "Where results go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
+                               "Where results go; relative to where the command ran.")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -57,7 +59,7 @@ def main(argv):
   if not gpus:
     raise SystemExit("bench_allgather_matmul needs Hopper GPUs; nvidia-smi lists none. "
                      "`bazel run //examples:allgather_matmul` runs the portable path on CPU.")
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  out_dir = cli.output_dir(_OUT_DIR.value)
   problem = collective_table.LocalProblem(m_shard=_M_SHARD.value, k=_K.value,
                                           n_shard=_N_SHARD.value, dtype=_DTYPE.value)
   rows = []
@@ -66,10 +68,13 @@ def main(argv):
                                           host_gpus=gpus, config_text=config,
                                           iterations=_ITERATIONS.value)
   report.print_table(rows, ("config",) + collective_table.COLUMNS)
-  report.write_json(os.path.join(_OUT_DIR.value, "allgather_matmul_bench.json"), rows)
+  json_path, png_path = (os.path.join(out_dir, name) for name in
+                         ("allgather_matmul_bench.json", "allgather_matmul_bench.png"))
+  report.write_json(json_path, rows)
   if rows:
-    report.write_plot(plot, rows, os.path.join(_OUT_DIR.value, "allgather_matmul_bench.png"))
+    report.write_plot(plot, rows, png_path)
+  cli.say_written([json_path, png_path])
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -20,8 +20,9 @@ back-to-back calls (`tools.gpu_sampling.sustained_run`).
 against XLA's dot_general on the same stored arrays; `--backward` adds the
 backward pass of a gelu layer against XLA's autodiff of it.
 
-Writes `matmul_bench.json` and `matmul_bench.png` to `--out_dir`. Needs a
-Hopper GPU.
+Writes `matmul_bench.json` and `matmul_bench.png` to `--out_dir` (a relative
+one is relative to where the command ran, under `bazel run` too) and prints
+where. Needs a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
 from core import device_facts, has_gpu, timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
@@ -58,7 +59,8 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds in which the kernels take tu
 _SUSTAIN_S = flags.DEFINE_float(
     "sustain_s", 0.0, "Also run each kernel back to back for this many seconds, sampling "
     "the SM clock and power with nvidia-smi (0: skip).")
-_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"), "Where results go.")
+_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
+                               "Where results go; relative to where the command ran.")
 _PEER = flags.DEFINE_bool("peer", True, "Also time JAX's hopper_matmul_mgpu.")
 _PIPELINED = flags.DEFINE_multi_string(
     "pipelined_config", ["tile_m=128,tile_n=128,tile_k=64,max_concurrent_steps=4,delay_release=1"],
@@ -214,7 +216,7 @@ def main(argv):
   del argv
   if not has_gpu():
     raise SystemExit("bench_matmul needs a Hopper GPU; none is visible to JAX.")
-  os.makedirs(_OUT_DIR.value, exist_ok=True)
+  out_dir = cli.output_dir(_OUT_DIR.value)
   records = []
   layouts = [OperandLayout(transpose_lhs=name[0] == "T", transpose_rhs=name[1] == "T")
              for name in _LAYOUTS.value]
@@ -234,9 +236,12 @@ def main(argv):
     ratios = [r["ratio_to_dot"] for r in records if r["kernel"] == kernel and "ratio_to_dot" in r]
     if ratios:
       print(f"median ratio to jnp.dot, {kernel}: {statistics.median(ratios):.3f}")
-  report.write_json(os.path.join(_OUT_DIR.value, "matmul_bench.json"), records)
-  report.write_plot(plot, records, os.path.join(_OUT_DIR.value, "matmul_bench.png"))
+  json_path, png_path = (os.path.join(out_dir, name)
+                         for name in ("matmul_bench.json", "matmul_bench.png"))
+  report.write_json(json_path, records)
+  report.write_plot(plot, records, png_path)
+  cli.say_written([json_path, png_path])
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

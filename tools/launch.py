@@ -3,6 +3,12 @@
     python -m tools.launch --num_processes=4 -- python -m examples.allgather_matmul
     bazel run //tools:launch -- --num_processes=2 -- python -m examples.allgather_matmul
 
+A command that starts with a bare `python` or `python3` runs under the
+launcher's own interpreter (`sys.executable`: under `bazel run`, the pinned
+one, not the first on PATH), and every process gets the launcher's import path
+in PYTHONPATH (under `bazel run`, the runfiles' workspace root and Bazel's
+entries), so `python -m examples.x` imports what the launcher can.
+
 Every process gets MGPU_COORDINATOR (a free port on 127.0.0.1), MGPU_NUM_PROCESSES
 and MGPU_PROCESS_ID; the program calls `tools.launch.initialize()` first, which
 joins the job (and does nothing outside a launch). On a GPU host each process
@@ -43,6 +49,8 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
+from tools import cli
+
 COORDINATOR_ENV = "MGPU_COORDINATOR"
 NUM_PROCESSES_ENV = "MGPU_NUM_PROCESSES"
 PROCESS_ID_ENV = "MGPU_PROCESS_ID"
@@ -60,6 +68,11 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _POLL_S = 0.05
 # How long rank 0 keeps the coordination service up for its peers to exit.
 PEER_EXIT_WAIT_S = 10.0
+# Program names that mean "the launcher's Python" at the head of a command.
+PYTHON_NAMES = ("python", "python3")
+# The root of the workspace the launcher was imported from (holds `tools/`): in a checkout
+# the checkout, under `bazel run` the runfiles' workspace folder.
+WORKSPACE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 _PLATFORM = flags.DEFINE_enum("platform", "auto", ["auto", "gpu", "cpu"],
@@ -161,10 +174,36 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def resolve_command(command: Sequence[str]) -> list[str]:
+  """`command` with a bare `python`/`python3` at its head replaced by `sys.executable`.
+
+  The launcher's interpreter is the one that has the pinned jax (under `bazel
+  run`, the toolchain's); the `python` on PATH may be any other. A path
+  (`/usr/bin/python3`) or another name is left as given.
+  """
+  command = list(command)
+  if command and command[0] in PYTHON_NAMES and sys.executable:
+    command[0] = sys.executable
+  return command
+
+
+def child_python_path(base_env=None) -> str:
+  """The PYTHONPATH of every process: the launcher's workspace root, then the existing PYTHONPATH.
+
+  Under `bazel run` the binary's stub has put the runfiles' import roots in
+  PYTHONPATH already; the workspace root comes first in any case, so that the
+  packages the launcher imports itself (`tools`) are the ones the program sees.
+  """
+  env = os.environ if base_env is None else base_env
+  entries = [WORKSPACE_ROOT] + [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e]
+  return os.pathsep.join(dict.fromkeys(entries))
+
+
 def process_environments(num_processes: int, *, use_gpus: bool, gpus_per_process: int,
                          devices_per_process: int, base_env=None) -> list[dict[str, str]]:
   """The environment of each process of a launch."""
   base = dict(os.environ if base_env is None else base_env)
+  base["PYTHONPATH"] = child_python_path(base)
   coordinator = f"127.0.0.1:{_free_port()}"
   envs = []
   for rank in range(num_processes):
@@ -352,8 +391,9 @@ def main(argv):
                          f"{_GPUS_PER_PROCESS.value} needs more GPUs than the {gpus} here")
   envs = process_environments(num, use_gpus=use_gpus, gpus_per_process=_GPUS_PER_PROCESS.value,
                               devices_per_process=_DEVICES_PER_PROCESS.value)
-  sys.exit(launch(command, envs, timeout_s=_TIMEOUT.value, grace_s=_TERMINATE_GRACE.value))
+  sys.exit(launch(resolve_command(command), envs, timeout_s=_TIMEOUT.value,
+                  grace_s=_TERMINATE_GRACE.value))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

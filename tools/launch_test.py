@@ -15,6 +15,10 @@ from absl.testing import absltest, parameterized
 from tools import launch
 
 
+def _runfile(path: str) -> str:
+  return os.path.join(os.environ["TEST_SRCDIR"], os.environ["TEST_WORKSPACE"], path)
+
+
 def run_launcher(*args, timeout=300):
   return subprocess.run([sys.executable, "-m", "tools.launch", *args], capture_output=True,
                         text=True, timeout=timeout)
@@ -134,6 +138,60 @@ class LaunchTest(parameterized.TestCase):
       self.assertTrue(launch.initialize())
     initialize.assert_called_once()
     register.assert_called_once_with(launch.shutdown)
+
+
+class CommandTest(absltest.TestCase):
+  """What the launcher runs: the pinned interpreter for `python`, with the launcher's imports."""
+
+  def test_bare_python_is_the_launchers_interpreter(self):
+    for name in ("python", "python3"):
+      self.assertEqual(launch.resolve_command([name, "-m", "examples.x"]),
+                       [sys.executable, "-m", "examples.x"])
+    for command in (["/usr/bin/python3", "-c", "1"], ["python3.11", "-c", "1"], ["sh", "-c", "1"]):
+      self.assertEqual(launch.resolve_command(command), command)
+
+  def test_child_path_starts_with_the_launchers_workspace(self):
+    path = launch.child_python_path({"PYTHONPATH": os.pathsep.join(["/a", launch.WORKSPACE_ROOT])})
+    self.assertEqual(path.split(os.pathsep), [launch.WORKSPACE_ROOT, "/a"])
+    self.assertTrue(os.path.isfile(os.path.join(launch.WORKSPACE_ROOT, "tools", "launch.py")))
+    env = launch.process_environments(1, use_gpus=False, gpus_per_process=0,
+                                      devices_per_process=1, base_env={})[0]
+    self.assertEqual(env["PYTHONPATH"], launch.WORKSPACE_ROOT)
+
+
+class BazelRunTest(absltest.TestCase):
+  """README's command, `bazel run //tools:launch -- ... -- python -m examples.allgather_matmul`.
+
+  Under Bazel it runs the binary's own stub from the runfiles, in the runfiles'
+  workspace folder and without this test's PYTHONPATH, as `bazel run` does;
+  outside Bazel, `python -m tools.launch` from an empty folder with only the
+  checkout on PYTHONPATH. Either way a `python` first on PATH that is not the
+  pinned interpreter fails the job if the launcher runs it.
+  """
+
+  def test_readme_command_runs_the_example_under_the_pinned_interpreter(self):
+    wrong_python = self.create_tempdir("wrong_python")
+    fake = wrong_python.create_file("python", "#!/bin/sh\necho wrong python >&2\nexit 97\n")
+    os.chmod(fake.full_path, 0o755)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "RUNFILES_DIR", "RUNFILES_MANIFEST_FILE",
+                        "PYTHON_RUNFILES")}
+    env["PATH"] = wrong_python.full_path + os.pathsep + env.get("PATH", "")
+    if "TEST_SRCDIR" in os.environ:
+      launcher, cwd = [_runfile("tools/launch")], _runfile("")
+      env["BUILD_WORKING_DIRECTORY"] = self.create_tempdir("user").full_path
+    else:
+      launcher, cwd = [sys.executable, "-m", "tools.launch"], self.create_tempdir().full_path
+      env["PYTHONPATH"] = launch.WORKSPACE_ROOT
+    result = subprocess.run(
+        [*launcher, "--num_processes=2", "--platform=cpu", "--timeout=240", "--",
+         "python", "-m", "examples.allgather_matmul"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    self.assertEqual(result.returncode, 0, output)
+    self.assertNotIn("wrong python", output)
+    for rank in range(2):
+      self.assertIn(f"[rank {rank}] allgather_matmul: all results match", result.stdout)
 
 
 class ProcessGroupTest(parameterized.TestCase):
