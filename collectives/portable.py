@@ -1,10 +1,15 @@
-"""The all-gather matmul from XLA collectives only: runs on any backend.
+"""The collective matmuls from XLA collectives only: run on any backend.
 
 `ring_all_gather_matmul` is the Mosaic kernel's schedule (`schedule.py`) with
 `lax.ppermute` as the transport: the shard for step i + 1 is in flight while
 step i's dot runs, which XLA's asynchronous collectives overlap on GPUs.
-`all_gather_then_matmul` is the naive form (gather everything, then one dot),
-the reference every test compares with.
+`all_gather_then_matmul` is the naive form (gather everything, then one dot).
+
+`xla_ring_matmul_reduce_scatter` is the reduce-scatter's ring: partial sums of
+one row block travel the ring in float32, each device adding its product of
+that block; `matmul_then_reduce_scatter` is its naive form (one dot, then
+`lax.psum_scatter`). `xla_matmul` is the local product of the XLA paths'
+backward passes, in `pipelines.matmul`'s operand layouts.
 """
 
 from __future__ import annotations
@@ -19,6 +24,20 @@ from pipelines import TuningConfig
 
 def _shard_dot(lhs, rhs, out_dtype):
   return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def xla_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype, transpose_lhs: bool = False,
+               transpose_rhs: bool = False) -> jax.Array:
+  """`op(lhs) @ op(rhs)` with XLA's dot, float32 accumulation, operands as stored.
+
+  The layouts are `pipelines.matmul`'s: `transpose_lhs` takes lhs stored
+  (K, M), `transpose_rhs` rhs stored (N, K); the dot contracts the stored
+  dimensions, so nothing is transposed first.
+  """
+  contract = (0 if transpose_lhs else 1, 1 if transpose_rhs else 0)
+  out = lax.dot_general(lhs, rhs, ((contract[:1], contract[1:]), ((), ())),
+                        preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
 
 
 def ring_all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
@@ -67,3 +86,59 @@ def all_gather_then_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, dtype=N
   _, out_dtype = operands.check_shards(lhs, rhs, dtype)
   gathered = lax.all_gather(lhs, axis_name, axis=0, tiled=True)
   return _shard_dot(gathered, rhs, out_dtype)
+
+
+def xla_ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
+                                   config: TuningConfig | None = None, dtype=None) -> jax.Array:
+  """`psum_scatter(lhs @ rhs, axis_name)` as a ring of `ppermute`s of partial sums.
+
+  At step s device d computes the partial product of row block
+  `schedule.reduce_scatter_block_at_step(d, s, D)` with one dot, adds the
+  partial sum its ring successor sent, and sends the sum on to its ring
+  predecessor; at the last step the block is its own and the sum is final.
+  Partial sums travel in float32. A step's dot does not depend on the partial
+  in flight, so XLA's asynchronous collectives can overlap them on GPUs.
+  Same contract as the Mosaic kernel (`ring_reduce_scatter_sm90`); `config`
+  is accepted for that reason and does not change what XLA does.
+
+  Args:
+    lhs: (M, K_shard) float16 or bfloat16, this device's columns of the LHS;
+      M divisible by D.
+    rhs: (K_shard, N) of the same dtype, this device's rows of the RHS.
+    axis_name: the mesh axis K is sharded over (D devices, any subset of the job's).
+    dtype: output dtype, float16 or bfloat16; the operand dtype by default.
+
+  Returns:
+    (M / D, N) of `dtype`: row block d of the sum over devices of `lhs_i @ rhs_i`.
+  """
+  del config  # XLA picks its own tiling.
+  num_devices = topology.ring_axis_size(axis_name, span_all_devices=False)
+  block, out_dtype = operands.check_reduce_scatter_operands(lhs, rhs, dtype, num_devices)
+  device = lax.axis_index(axis_name)
+  to_predecessor = [(d, schedule.send_target(d, num_devices)) for d in range(num_devices)]
+  arriving = None
+  for step in range(num_devices):
+    rows = schedule.reduce_scatter_block_at_step(device, step, num_devices) * block.m
+    partial = jnp.dot(lax.dynamic_slice_in_dim(lhs, rows, block.m, axis=0), rhs,
+                      preferred_element_type=jnp.float32)
+    if arriving is not None:
+      partial = partial + arriving
+    if schedule.sends_at_step(step, num_devices):
+      arriving = lax.ppermute(partial, axis_name, to_predecessor)
+  return partial.astype(out_dtype)
+
+
+def matmul_then_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
+                               dtype=None) -> jax.Array:
+  """The naive form: one dot (float32), then `lax.psum_scatter` of the float32 product.
+
+  lhs: (M, K_shard); rhs: (K_shard, N). Returns (M / D, N) of `dtype` (the
+  operand dtype by default). The partials are reduced in float32, as the
+  rings reduce them (twice the bytes of a 16-bit reduce-scatter, the same
+  numerics). With NCCL and cuBLAS on GPUs this is the baseline the ring
+  kernel replaces.
+  """
+  num_devices = topology.ring_axis_size(axis_name, span_all_devices=False)
+  _, out_dtype = operands.check_reduce_scatter_operands(lhs, rhs, dtype, num_devices)
+  partial = jnp.dot(lhs, rhs, preferred_element_type=jnp.float32)
+  return lax.psum_scatter(partial, axis_name, scatter_dimension=0, tiled=True).astype(out_dtype)

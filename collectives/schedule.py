@@ -59,3 +59,14 @@ def signals_per_slot(num_blocks: int) -> int:
   signalled step s, and the count would reach its target early.)
   """
   return num_blocks
+
+
+def reduce_scatter_block_at_step(device, step, num_devices):
+  """The row block whose partial sum device `device` adds to at `step` of the reduce-scatter ring.
+
+  Partial sums travel like the all-gather's shards, to the ring predecessor,
+  so the block a device adds to at step s is the one its successor added to
+  at step s - 1; at the last step (D - 1) it is the device's own block, and
+  the sum is final: block (d + s + 1) % D.
+  """
+  return (device + step + 1) % num_devices

@@ -20,6 +20,7 @@ from pipelines import kernel_call, operands, tuning_cache
 from pipelines.config import TuningConfig
 from pipelines.epilogue import Epilogue
 from pipelines.heuristic import default_config
+from pipelines.varying import vary_like
 
 CACHE_MISS_MODES = ("heuristic", "tune", "error")
 
@@ -126,22 +127,11 @@ def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
     d_bias = None if bias is None else g.sum(axis=0).astype(bias.dtype)
     g = g.astype(lhs.dtype)
     cotangents = (*_operand_cotangents(lhs, rhs, g, layout), d_bias)
-    return tuple(None if ct is None else _vary_like(ct, primal)
+    return tuple(None if ct is None else vary_like(ct, primal)
                  for ct, primal in zip(cotangents, (lhs, rhs, bias), strict=True))
 
   differentiable.defvjp(forward, backward)
   return differentiable
-
-
-def _vary_like(cotangent, primal):
-  """`cotangent`, marked as varying over the mesh axes `primal` varies over.
-
-  Inside `jax.shard_map` a cotangent must have its primal's type, and the
-  kernels' outputs do not say over which manual axes they vary.
-  """
-  axes = jax.typeof(primal).manual_axis_type.varying
-  missing = tuple(axes - jax.typeof(cotangent).manual_axis_type.varying)
-  return jax.lax.pcast(cotangent, missing, to="varying") if missing else cotangent
 
 
 def _operand_cotangents(lhs, rhs, g, layout: operands.OperandLayout):

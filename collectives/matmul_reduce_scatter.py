@@ -1,0 +1,125 @@
+"""Which implementation of `matmul_reduce_scatter` runs, its forward product, and the seam
+to the Mosaic reduce-scatter ring kernel.
+
+The Mosaic kernel lives in `collectives/ring_reduce_scatter_sm90.py` and is
+reached only through `ring_kernel()`, which imports it on first use. Its
+interface:
+
+    ring_matmul_reduce_scatter(lhs, rhs, axis_name, *, config, dtype=None) -> jax.Array
+    ring_reduce_scatter_config(problem, out_dtype) -> TuningConfig | None
+
+the first as `portable.xla_ring_matmul_reduce_scatter`, the second a config
+the kernel can run on the problem of one row block, (M / D, K_shard, N), or
+None. Where the module is missing, `ring_kernel()` raises
+NotImplementedError: "auto" then falls back (on GPUs to the naive form, NCCL
+reduce-scatter + one dot, as `all_gather_matmul` does; elsewhere to the XLA
+ring) and "mosaic" refuses. The public, differentiable
+`matmul_reduce_scatter` is in `api.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+from collectives import dispatch, portable, topology
+from collectives.dispatch import Choice, Implementation
+from pipelines import TuningConfig, matmul
+from pipelines.operands import MatmulProblem
+
+RING_KERNEL_MODULE = "collectives.ring_reduce_scatter_sm90"
+KERNEL_UNAVAILABLE = "the Mosaic reduce-scatter ring kernel is not available"
+
+# Not measured yet: the all-gather's XLA ring measured 0.78x NCCL all-gather +
+# one dot on two H200s (all_gather_matmul.py), and this ring sends float32
+# partials, twice a 16-bit shard's bytes. Until a measurement says otherwise,
+# GPUs fall back to the naive form.
+_GPU_FALLBACK_REASON = ("on GPUs the naive form (NCCL reduce-scatter + one dot), as for the "
+                        "all-gather, where the XLA ring measured 0.78x NCCL")
+
+
+def ring_kernel():
+  """The Mosaic reduce-scatter ring kernel's module (see the module docstring).
+
+  Raises NotImplementedError where this build has no such module; an import
+  error inside the module itself propagates.
+  """
+  try:
+    return importlib.import_module(RING_KERNEL_MODULE)
+  except ModuleNotFoundError as e:
+    if e.name != RING_KERNEL_MODULE:
+      raise
+    raise NotImplementedError(KERNEL_UNAVAILABLE) from None
+
+
+def kernel_support(num_devices: int) -> topology.RingSupport:
+  """Whether the Mosaic reduce-scatter ring can run over `num_devices` devices here."""
+  support = topology.mosaic_ring_support(num_devices)
+  if not support.supported:
+    return support
+  try:
+    ring_kernel()
+  except NotImplementedError as e:
+    return topology.RingSupport(False, str(e))
+  return support
+
+
+def default_ring_config(problem: MatmulProblem, out_dtype) -> TuningConfig | None:
+  """The kernel's config for the row-block problem (M / D, K_shard, N), or None."""
+  return ring_kernel().ring_reduce_scatter_config(problem, out_dtype)
+
+
+def _no_config_reason(problem: MatmulProblem) -> str:
+  return (f"the reduce-scatter ring has no config for row blocks of M / D={problem.m} rows, "
+          f"K_shard={problem.k}, N={problem.n}")
+
+
+OP = dispatch.RingOp(
+    name="matmul_reduce_scatter",
+    naive=Implementation.XLA_REDUCE_SCATTER,
+    gpu_fallback_reason=_GPU_FALLBACK_REASON,
+    default_config=default_ring_config,
+    no_config_reason=_no_config_reason,
+    # The kernel's interface has no separate check: a caller's config goes to
+    # the kernel as given, and the kernel refuses one it cannot run.
+    check_config=None,
+)
+VALID_NAMES = OP.valid_names
+
+
+def decide_implementation(requested: Implementation | str, *, num_devices: int,
+                          support: topology.RingSupport, on_gpu: bool,
+                          problem: MatmulProblem | None, out_dtype=None,
+                          config: TuningConfig | None = None) -> Choice:
+  """`dispatch.decide` for this op; `problem` is one row block's, (M / D, K_shard, N)."""
+  return dispatch.decide(OP, requested, num_devices=num_devices, support=support,
+                         on_gpu=on_gpu, problem=problem, out_dtype=out_dtype, config=config)
+
+
+def choose_implementation(num_devices: int, requested: Implementation | str = Implementation.AUTO,
+                          *, problem: MatmulProblem | None = None, out_dtype=None,
+                          config: TuningConfig | None = None) -> Choice:
+  """Which implementation `matmul_reduce_scatter` runs over `num_devices` devices, and why."""
+  return decide_implementation(requested, num_devices=num_devices,
+                               support=kernel_support(num_devices),
+                               on_gpu=jax.default_backend() == "gpu", problem=problem,
+                               out_dtype=out_dtype, config=config)
+
+
+def forward(choice: Choice, lhs: jax.Array, rhs: jax.Array, axis_name, *, num_devices: int,
+            config: TuningConfig | None, out_dtype) -> jax.Array:
+  """Runs the chosen implementation on validated operands (no gradient rule of its own)."""
+  match choice.implementation:
+    case Implementation.XLA_RING:
+      return portable.xla_ring_matmul_reduce_scatter(lhs, rhs, axis_name, config=config,
+                                                     dtype=out_dtype)
+    case Implementation.XLA_REDUCE_SCATTER:
+      return portable.matmul_then_reduce_scatter(lhs, rhs, axis_name, dtype=out_dtype)
+    case Implementation.LOCAL:
+      return matmul(lhs, rhs, config=config, out_dtype=out_dtype)
+    case _:
+      kernel = ring_kernel()
+      dispatch.check_interpreter_runs_the_ring(num_devices)
+      return kernel.ring_matmul_reduce_scatter(lhs, rhs, axis_name, config=choice.config,
+                                               dtype=out_dtype)

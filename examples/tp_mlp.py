@@ -1,0 +1,249 @@
+"""One training step of a tensor-parallel MLP block on the collective matmuls, checked
+against the same model in plain XLA collectives.
+
+    bazel run //examples:tp_mlp
+    bazel run //examples:tp_mlp -- --device_counts=2,8 --seq_shard=64 --implementation=xla_ring
+
+The block, with sequence-parallel activations (x: (S, H), rows sharded over
+the D devices of a 1-D mesh) and Megatron-style weights (w1: (H, F) and b1
+by columns, w2: (F, H) by rows):
+
+    h = gelu(all_gather_matmul(x, w1) + b1)    # (S, F / D) per device
+    y = matmul_reduce_scatter(h, w2) + x       # (S / D, H) per device: sequence parallel again
+
+One step: forward, loss = mean((y - target)^2), backward (the collective
+matmuls' custom VJPs), SGD update, on random data. The same model written with
+`lax.all_gather`, `jnp.dot` and `lax.psum_scatter` (XLA's autodiff) takes the
+same step from the same parameters; the loss, every parameter's gradient and
+every updated parameter must agree within `tolerance(dtype)` (errors are
+printed), and both step times are printed side by side (wall clock; on CPU
+they only show that it runs). The exit status is non-zero if anything
+disagrees.
+
+With no GPU it runs on simulated CPU devices (8 unless XLA_FLAGS says
+otherwise), at small default shapes, where "auto" takes the XLA rings. On
+GPUs (and under `tools.launch`, one row over every device of the job) the
+same shard_map code runs the Mosaic ring kernels where they can run.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Simulated CPU devices must be requested before JAX starts; the flag has no
+# effect on GPUs.
+SIMULATED_CPU_DEVICES = 8
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "")
+      + f" --xla_force_host_platform_device_count={SIMULATED_CPU_DEVICES}").strip()
+
+import dataclasses  # noqa: E402 - after the XLA_FLAGS set-up above.
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import collectives  # noqa: E402
+from collectives import sharding  # noqa: E402
+from core.numerics import RELATIVE_TOLERANCE, relative_error_on_device  # noqa: E402
+from pipelines.operands import MatmulProblem  # noqa: E402
+from tools import launch  # noqa: E402
+
+AXIS = sharding.RING_AXIS
+X_SPEC, W1_SPEC, B1_SPEC, W2_SPEC = P(AXIS, None), P(None, AXIS), P(AXIS), P(AXIS, None)
+PARAM_NAMES = ("w1", "b1", "w2")
+# --implementation: the same name for both collective matmuls, except "naive",
+# which is each one's NCCL form.
+IMPLEMENTATIONS = {
+    "auto": ("auto", "auto"), "mosaic": ("mosaic", "mosaic"), "local": ("local", "local"),
+    "xla_ring": ("xla_ring", "xla_ring"), "naive": ("xla_all_gather", "xla_reduce_scatter"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape:
+  """Per device: seq_shard rows of x, ffn_shard columns of w1 (rows of w2); hidden is H."""
+
+  seq_shard: int
+  hidden: int
+  ffn_shard: int
+
+
+GPU_SHAPE = Shape(seq_shard=1024, hidden=4096, ffn_shard=2048)
+CPU_SHAPE = Shape(seq_shard=32, hidden=128, ffn_shard=64)
+
+
+def tolerance(dtype) -> float:
+  """Relative error allowed between the two models' results: each rounds to `dtype`
+  at the same points but in another order, so twice one kernel's tolerance."""
+  return 2 * RELATIVE_TOLERANCE[jnp.dtype(dtype)]
+
+
+def collective_block(x, w1, b1, w2, *, implementation: str):
+  all_gather_impl, reduce_scatter_impl = IMPLEMENTATIONS[implementation]
+  h = collectives.all_gather_matmul(x, w1, AXIS, implementation=all_gather_impl)
+  h = jax.nn.gelu(h.astype(jnp.float32) + b1).astype(x.dtype)
+  y = collectives.matmul_reduce_scatter(h, w2, AXIS, implementation=reduce_scatter_impl)
+  return y.astype(jnp.float32) + x.astype(jnp.float32)
+
+
+def xla_block(x, w1, b1, w2):
+  gathered = lax.all_gather(x, AXIS, axis=0, tiled=True)
+  h = jnp.dot(gathered, w1, preferred_element_type=jnp.float32)
+  h = jax.nn.gelu(h + b1).astype(x.dtype)
+  partial = jnp.dot(h, w2, preferred_element_type=jnp.float32)
+  y = lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
+  return y + x.astype(jnp.float32)
+
+
+def make_train_step(block, mesh, learning_rate: float):
+  """Jitted (params, x, target) -> (loss, grads, updated params) of `block` under shard_map."""
+  # Unchecked varying types, as for every collective matmul on GPUs
+  # (`sharding.ring_matmul_fn`): the Mosaic kernels' outputs carry none.
+  forward = jax.shard_map(block, mesh=mesh, in_specs=(X_SPEC, W1_SPEC, B1_SPEC, W2_SPEC),
+                          out_specs=X_SPEC, check_vma=False)
+
+  def loss_fn(params, x, target):
+    return jnp.mean((forward(x, *params) - target) ** 2)
+
+  @jax.jit
+  def step(params, x, target):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
+    updated = jax.tree.map(
+        lambda p, g: (p.astype(jnp.float32) - learning_rate * g.astype(jnp.float32)
+                      ).astype(p.dtype), params, grads)
+    return loss, grads, updated
+
+  return step
+
+
+def _place(x, spec, mesh):
+  """A host array every process holds in full, placed by `spec` (each process its shards)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+
+def random_problem(num_devices: int, shape: Shape, dtype, mesh, seed: int = 0):
+  """(params (w1, b1, w2), x, target), random normal, placed on `mesh`."""
+  s, h, f = num_devices * shape.seq_shard, shape.hidden, num_devices * shape.ffn_shard
+  keys = jax.random.split(jax.random.key(seed), 5)
+  normal = lambda key, dims, scale: scale * jax.random.normal(key, dims, jnp.float32)  # noqa: E731
+  w1 = normal(keys[0], (h, f), h ** -0.5).astype(dtype)
+  b1 = normal(keys[1], (f,), 0.1)
+  w2 = normal(keys[2], (f, h), f ** -0.5).astype(dtype)
+  x = normal(keys[3], (s, h), 1.0).astype(dtype)
+  target = normal(keys[4], (s, h), 1.0)
+  params = (_place(w1, W1_SPEC, mesh), _place(b1, B1_SPEC, mesh), _place(w2, W2_SPEC, mesh))
+  return params, _place(x, X_SPEC, mesh), _place(target, X_SPEC, mesh)
+
+
+def _time_wall_ms(step, args, iterations: int):
+  out = jax.block_until_ready(step(*args))  # Compile and warm up.
+  times = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    jax.block_until_ready(step(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times), out
+
+
+def implementation_labels(num_devices: int, shape: Shape, dtype, implementation: str) -> str:
+  """What each collective matmul of the forward pass runs, as the dispatchers decide."""
+  all_gather_impl, reduce_scatter_impl = IMPLEMENTATIONS[implementation]
+  dtype = jnp.dtype(dtype)
+  all_gather = collectives.choose_implementation(
+      num_devices, all_gather_impl, out_dtype=dtype,
+      problem=MatmulProblem(m=shape.seq_shard, k=shape.hidden,
+                            n=shape.ffn_shard, dtype=dtype))
+  reduce_scatter = collectives.choose_reduce_scatter_implementation(
+      num_devices, reduce_scatter_impl, out_dtype=dtype,
+      problem=MatmulProblem(m=shape.seq_shard, k=shape.ffn_shard, n=shape.hidden, dtype=dtype))
+  return f"{all_gather.implementation.value} / {reduce_scatter.implementation.value}"
+
+
+def run_row(num_devices: int, shape: Shape, *, dtype=jnp.bfloat16, implementation: str = "auto",
+            learning_rate: float = 0.1, iterations: int = 5) -> dict:
+  """One training step of both models on the first `num_devices` devices; their agreement
+  and step times."""
+  mesh = sharding.ring_mesh(num_devices)
+  params, x, target = random_problem(num_devices, shape, dtype, mesh)
+  ours = make_train_step(lambda *a: collective_block(*a, implementation=implementation), mesh,
+                         learning_rate)
+  xla = make_train_step(xla_block, mesh, learning_rate)
+  ours_ms, (loss, grads, updated) = _time_wall_ms(ours, (params, x, target), iterations)
+  xla_ms, (xla_loss, xla_grads, xla_updated) = _time_wall_ms(xla, (params, x, target),
+                                                             iterations)
+  errors = {"loss": abs(float(loss) - float(xla_loss)) / abs(float(xla_loss))}
+  for name, got, want in zip(PARAM_NAMES, grads, xla_grads, strict=True):
+    errors[f"d {name}"] = relative_error_on_device(got, want)
+  for name, got, want in zip(PARAM_NAMES, updated, xla_updated, strict=True):
+    errors[f"new {name}"] = relative_error_on_device(got, want)
+  tol = tolerance(dtype)
+  return dict(devices=num_devices, implementation=implementation_labels(
+                  num_devices, shape, dtype, implementation),
+              loss=float(loss), step_ms=ours_ms, xla_step_ms=xla_ms, errors=errors,
+              tolerance=tol, agree=all(e <= tol for e in errors.values()))
+
+
+_DEVICE_COUNTS = flags.DEFINE_list("device_counts", None,
+                                   "Mesh sizes; default: every GPU of the host, or 8 CPU devices.")
+_SEQ_SHARD = flags.DEFINE_integer("seq_shard", None, "Sequence rows per device (S / D).")
+_HIDDEN = flags.DEFINE_integer("hidden", None, "Model width H.")
+_FFN_SHARD = flags.DEFINE_integer("ffn_shard", None, "MLP width per device (F / D).")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float16", "bfloat16"],
+                           "Dtype of weights and activations.")
+_IMPLEMENTATION = flags.DEFINE_enum("implementation", "auto", list(IMPLEMENTATIONS),
+                                    "Implementation of both collective matmuls; 'naive' is "
+                                    "lax.all_gather + dot and dot + lax.psum_scatter.")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 0.1, "SGD step size.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 5, "Timed steps per model.")
+
+
+def main(argv):
+  del argv
+  launched = launch.initialize()
+  gpus = launch.gpu_count()
+  on_gpu = gpus > 0 and os.environ.get("JAX_PLATFORMS") != "cpu"
+  default = GPU_SHAPE if on_gpu else CPU_SHAPE
+  shape = Shape(seq_shard=_SEQ_SHARD.value or default.seq_shard,
+                hidden=_HIDDEN.value or default.hidden,
+                ffn_shard=_FFN_SHARD.value or default.ffn_shard)
+  if launched:
+    counts = [jax.device_count()]
+  elif _DEVICE_COUNTS.value:
+    counts = [int(c) for c in _DEVICE_COUNTS.value]
+  else:
+    counts = [gpus if on_gpu else SIMULATED_CPU_DEVICES]
+  print(f"{gpus} GPU(s): collective matmuls as the dispatchers choose" if on_gpu else
+        "no GPU: simulated CPU devices; step times are CPU wall clock and only show that it runs")
+  print(f"per device: x ({shape.seq_shard}, {shape.hidden}), w1 ({shape.hidden}, "
+        f"{shape.ffn_shard}), w2 ({shape.ffn_shard}, {shape.hidden}) {_DTYPE.value}; "
+        f"one SGD step, learning rate {_LEARNING_RATE.value}")
+  ok = True
+  for d in counts:
+    row = run_row(d, shape, dtype=jnp.dtype(_DTYPE.value), implementation=_IMPLEMENTATION.value,
+                  learning_rate=_LEARNING_RATE.value, iterations=_ITERATIONS.value)
+    print(f"\n{d} devices, all_gather_matmul / matmul_reduce_scatter: {row['implementation']}")
+    print(f"  step time (wall clock, median of {_ITERATIONS.value}): collective matmuls "
+          f"{row['step_ms']:.2f} ms, XLA all_gather/dot/psum_scatter {row['xla_step_ms']:.2f} ms")
+    print(f"  loss {row['loss']:.5f}; relative errors against the XLA model "
+          f"(tolerance {row['tolerance']:.0e}):")
+    for name, err in row["errors"].items():
+      print(f"    {name:6s} {err:.2e}{'' if err <= row['tolerance'] else '  TOO LARGE'}")
+    ok &= row["agree"]
+  if not ok:
+    print("FAILED: the collective-matmul model disagrees with the XLA model")
+    sys.exit(1)
+  print("\ntp_mlp: gradients and updated weights match the XLA model")
+
+
+if __name__ == "__main__":
+  app.run(main)
