@@ -8,7 +8,8 @@ a block that no rule covers fails the test, so a new block needs a check.
     snippets take from their context. The blocks of "Depending on our targets
     from another workspace" are another workspace's files, which
     //bazel:consumer_workspace_test builds and runs.
-  * Shell blocks of "The two commands" run as `bazel run` would run them: the
+  * Shell blocks of "The two commands" and of the tensor-parallel example
+    (`CPU_SECTIONS`) run as `bazel run` would run them: the
     binary's own stub from this test's runfiles (its data), in the runfiles'
     workspace folder. `./bazelw test //...` is the suite this test is part of.
   * Shell blocks of "On a GPU box" need Hopper GPUs: each `--config` must be
@@ -31,6 +32,9 @@ from absl.testing import absltest
 
 CONSUMER_SECTION = "Depending on our targets from another workspace"
 CPU_SECTION = "The two commands"
+TP_SECTION = "Example: a tensor-parallel MLP block, trained"
+# Sections whose shell blocks run without a GPU, as written.
+CPU_SECTIONS = (CPU_SECTION, TP_SECTION)
 GPU_SECTION = "On a GPU box"
 NOX_SECTION = "Developer tasks (nox)"
 # Commands that are the test suite itself.
@@ -158,8 +162,8 @@ class ReadmeTest(absltest.TestCase):
 
   def test_every_block_has_a_check(self):
     checked = {("python", s) for s in self.sections} | {
-        ("sh", CPU_SECTION), ("sh", GPU_SECTION), ("sh", CONSUMER_SECTION),
-        ("", CONSUMER_SECTION)}
+        ("sh", s) for s in CPU_SECTIONS} | {
+        ("sh", GPU_SECTION), ("sh", CONSUMER_SECTION), ("", CONSUMER_SECTION)}
     for title, text in self.sections.items():
       for language, body in fenced_blocks(text):
         self.assertIn((language, title), checked,
@@ -181,8 +185,9 @@ class ReadmeTest(absltest.TestCase):
         self.assertEqual(result.returncode, 0, f"{body}\n{result.stdout}{result.stderr}")
 
   def test_cpu_commands_run_as_written(self):
-    (block,) = self.blocks("sh", CPU_SECTION)
-    for argv in command_lines(block):
+    commands = [argv for section in CPU_SECTIONS for block in self.blocks("sh", section)
+                for argv in command_lines(block)]
+    for argv in commands:
       if shlex.join(argv) in SUITE_COMMANDS:
         continue
       with self.subTest(command=shlex.join(argv)):
