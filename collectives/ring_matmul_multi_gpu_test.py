@@ -18,7 +18,7 @@ from absl.testing import absltest, parameterized
 
 import collectives
 import simulator
-from collectives import ring_matmul_sm90, sharding
+from collectives import collective_test_base, ring_matmul_sm90, sharding
 from core import interpret, testing
 from pipelines import MatmulDimension, TuningConfig, matmul_reference
 
@@ -39,6 +39,29 @@ def ring_problem(num_devices, m_shard, k, n_shard, dtype, config, seed=0):
   rhs = testing.random_array(seed + 1, (k, num_devices * n_shard), dtype)
   run = sharding.ring_matmul_fn(collectives.all_gather_lhs_matmul, mesh, config=config)
   return run, sharding.place_operands(lhs, rhs, mesh), lhs, rhs
+
+
+class MosaicRingAllGatherTest(collective_test_base.CollectiveMatmulTestBase):
+  """The shared cases on the Mosaic ring kernel: simulated devices on CPU, every GPU
+  of the host on GPUs (the ring spans the job, so other sizes skip there)."""
+
+  min_gpus = 2
+  # Two 128-row M tiles and two 64-wide N tiles of SMALL per device.
+  shard = (256, 128, 128)
+  device_counts = (2, 4)
+
+  def setUp(self):
+    super().setUp()
+    if self.backend == testing.INTERPRET:
+      self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=WAIT_TIMEOUT_S))
+
+  def run_ring(self, d, lhs, rhs, **kwargs):
+    if self.backend == testing.GPU and d != jax.device_count():
+      self.skipTest(f"the ring spans the job's {jax.device_count()} GPUs, not {d}")
+    return super().run_ring(d, lhs, rhs, **kwargs)
+
+  def implementation(self, lhs, rhs, axis_name, *, dtype=None):
+    return collectives.all_gather_lhs_matmul(lhs, rhs, axis_name, config=SMALL, dtype=dtype)
 
 
 class RingKernelTest(testing.KernelTestCase):
