@@ -14,7 +14,9 @@ sums them.
 
 `emit_cooperative_matmul` is also a building block: the ring all-gather
 matmul calls it inside its own kernel and hooks into the pipeline with
-`pipeline_callback` and `delay_release`.
+`pipeline_callback` and `delay_release`; the ring reduce-scatter matmul adds
+the partial product it received in the epilogue (`addend_gmem`) and stores
+the sum to a peer's memory (an `out_gmem` made by `plgpu.remote_ref`).
 """
 
 from __future__ import annotations
@@ -102,8 +104,9 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
 def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             config: TuningConfig, epilogue: Epilogue = Epilogue(),
                             pipeline_callback: PipelineCallback | None = None,
-                            delay_release: int = 0, layout: OperandLayout = NN) -> None:
-  """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + bias_gmem)` inside a kernel.
+                            delay_release: int = 0, layout: OperandLayout = NN,
+                            addend_gmem=None) -> None:
+  """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
   (grid axis `SM_AXIS`, three threads on `WG_AXIS`). All shapes are static;
@@ -127,17 +130,27 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       are laid out as the operands are stored.
     layout: how lhs_gmem and rhs_gmem are stored; transposed operands are
       loaded as stored and handed to wgmma as transposed SMEM views.
+    addend_gmem: (M, N) ref of any float dtype, or None: added in float32 to
+      the product before the bias and activation (`epilogue.store_epilogue`
+      loads it per epilogue sub-tile, without SMEM). M and N must then be
+      multiples of the CTA tile, since those loads are not masked. The
+      caller makes sure it is written before the epilogue reads it.
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
                      f"{config.schedule!r}")
   k_splits = config.k_splits
   if k_splits > 1 and (bias_gmem is not None or epilogue != Epilogue()
-                       or pipeline_callback is not None):
-    raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation "
-                     "and pipeline_callback belong to the caller")
+                       or pipeline_callback is not None or addend_gmem is not None):
+    raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation, "
+                     "addend and pipeline_callback belong to the caller")
   k, m = lhs_gmem.shape if layout.transpose_lhs else lhs_gmem.shape[::-1]
   n = rhs_gmem.shape[0] if layout.transpose_rhs else rhs_gmem.shape[1]
+  if addend_gmem is not None and (addend_gmem.shape != (m, n) or m % config.cta_tile_m
+                                  or n % config.cta_tile_n):
+    raise ValueError(f"addend_gmem must be (M, N)=({m}, {n}) with M and N multiples of the CTA "
+                     f"tile ({config.cta_tile_m}, {config.cta_tile_n}); got "
+                     f"{addend_gmem.shape=}")
   dtype = lhs_gmem.dtype
   tile_m, tile_n = config.tile_m, config.tile_n
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
@@ -163,6 +176,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
         wg_m_slice, wg_n_slice = slice(None), pl.ds(wg * tile_n, tile_n)
       split_out = out_gmem.at[split] if k_splits > 1 else out_gmem
       wg_out = split_out.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
+      wg_addend = (None if addend_gmem is None
+                   else addend_gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice])
 
       def mma_step(indices, lhs_smem, rhs_smem, acc_ref):
         # A transposed operand's tile is read through a transposed view.
@@ -197,7 +212,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
             plgpu.barrier_arrive(tile_drained)
           if bias_gmem is not None:
             plgpu.barrier_wait(bias_loaded.at[wg])
-          store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
+          store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue, wg_addend)
 
       lhs_tiles = (lhs_gmem.at[k_slice, cta_m_slice] if layout.transpose_lhs
                    else lhs_gmem.at[cta_m_slice, k_slice])

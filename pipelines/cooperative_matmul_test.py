@@ -1,12 +1,23 @@
 """The cooperative schedule of `ws_matmul`, in interpret mode and on a GPU."""
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
 from core import testing
-from pipelines import Epilogue, MatmulDimension, TuningConfig, matmul, matmul_reference, ws_matmul
+from pipelines import (
+    Epilogue,
+    MatmulDimension,
+    TuningConfig,
+    emit_cooperative_matmul,
+    matmul,
+    matmul_reference,
+    persistent_kernel,
+    ws_matmul,
+)
 from pipelines import matmul_test_base as base
 
 # Small tiles keep the interpreter fast; the GPU runs the same code at real
@@ -78,6 +89,56 @@ class CooperativeMatmulTest(base.MatmulTestBase):
       ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
                                                                has_bias=True))
       self.assert_close(out, ref, dtype=jnp.bfloat16)
+
+
+def matmul_plus_addend(lhs, rhs, addend, bias=None, *, config: TuningConfig, num_blocks: int,
+                       epilogue: Epilogue = Epilogue()):
+  """`epilogue(lhs @ rhs + addend + bias)` through `emit_cooperative_matmul`'s addend hook."""
+  def body(lhs_gmem, rhs_gmem, addend_gmem, *rest):
+    *bias_gmem, out_gmem = rest
+    emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config,
+                            epilogue=epilogue, addend_gmem=addend_gmem)
+
+  biases = () if bias is None else (bias.astype(jnp.float32),)
+  return persistent_kernel(
+      body, out_type=jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[1]), lhs.dtype),
+      num_blocks=num_blocks, name="matmul_plus_addend")(lhs, rhs, addend, *biases)
+
+
+class AddendTest(testing.KernelTestCase):
+  """The epilogue's addend: loaded per sub-tile and added in float32 before the bias."""
+
+  @parameterized.product(addend_dtype=[jnp.float32, jnp.bfloat16],
+                         wg_dimension=list(MatmulDimension))
+  def test_adds_the_addend(self, addend_dtype, wg_dimension):
+    # 2 x 2 CTA tiles on 3 blocks: a block's second tile reads its own addend tile.
+    config = dataclasses.replace(SMALL_WS, wg_dimension=wg_dimension)
+    m, k, n = 2 * config.cta_tile_m, 128, 2 * config.cta_tile_n
+    lhs, rhs = base.operands(31, m, k, n, jnp.bfloat16)
+    addend = testing.random_array(33, (m, n), addend_dtype, scale=4.0)
+    out = self.run_kernel(functools.partial(matmul_plus_addend, config=config, num_blocks=3),
+                          lhs, rhs, addend)
+    ref = matmul_reference(lhs, rhs) + addend.astype(jnp.float32)
+    self.assert_close(out, ref, dtype=jnp.bfloat16)
+
+  def test_addend_comes_before_bias_and_activation(self):
+    config = dataclasses.replace(SMALL_WS, **base.ODD_EPILOGUE_TILINGS[0])
+    m, k, n = config.cta_tile_m, 64, 2 * config.cta_tile_n
+    lhs, rhs = base.operands(35, m, k, n, jnp.float16)
+    addend = testing.random_array(37, (m, n), jnp.float32)
+    bias = testing.random_array(39, (n,), jnp.float16)
+    epilogue = Epilogue(activation="relu", has_bias=True)
+    out = self.run_kernel(functools.partial(matmul_plus_addend, config=config, num_blocks=2,
+                                            epilogue=epilogue), lhs, rhs, addend, bias)
+    ref = epilogue.apply_to_sum(matmul_reference(lhs, rhs) + addend, bias)
+    self.assert_close(out, ref, dtype=jnp.float16)
+
+  def test_addend_must_cover_whole_tiles(self):
+    lhs, rhs = base.operands(41, 96, 64, 128, jnp.float16)
+    addend = jnp.zeros((96, 128), jnp.float32)
+    with self.assertRaisesRegex(ValueError, "multiples of the CTA tile"):
+      jax.eval_shape(functools.partial(matmul_plus_addend, config=SMALL_WS, num_blocks=1),
+                     lhs, rhs, addend)
 
 
 if __name__ == "__main__":

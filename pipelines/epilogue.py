@@ -1,9 +1,12 @@
-"""The fused epilogue of the warp-specialized matmuls: bias, activation, cast, store.
+"""The fused epilogue of the warp-specialized matmuls: addend, bias, activation, cast, store.
 
 Applied in float32 to the accumulator in registers before it is cast and
 stored, so users need no separate XLA ops (and no extra pass over the output)
-after the matmul. The store goes through double-buffered SMEM tiles with TMA,
-so the store of one sub-tile overlaps the conversion of the next.
+after the matmul. The addend, an (M, N) GMEM array added to the product
+before the bias, is how a kernel built on the matmul sums partial products
+(the ring reduce-scatter adds the partial its neighbour sent). The store
+goes through double-buffered SMEM tiles with TMA, so the store of one
+sub-tile overlaps the conversion of the next.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool) -> dict:
   return scratch
 
 
-def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue) -> None:
+def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,
+                   wg_addend=None) -> None:
   """Applies `epilogue` to a compute warpgroup's accumulator and stores it with TMA.
 
   Runs in compute warpgroup `wg` of a matmul kernel, after its K loop.
@@ -113,6 +117,11 @@ def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilo
     bias_smem: (2, tile_n) float32 SMEM ref holding this tile's bias (loaded),
       or None.
     config: a `TuningConfig` (tiles and epilogue tiles).
+    wg_addend: (tile_m, tile_n) GMEM ref of any float dtype, added in float32
+      before the bias, or None. Each epilogue sub-tile of it is loaded
+      straight into registers in the accumulator's layout, so it takes no
+      SMEM; it must lie wholly in bounds (plain loads are not masked as TMA
+      stores are), and the caller makes sure it is written before this runs.
   """
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
   n_sub = config.tile_n // epi_n
@@ -121,6 +130,13 @@ def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilo
   for i in range(config.tile_m // epi_m):
     for j in range(n_sub):
       x = acc[i * epi_m:(i + 1) * epi_m, j * epi_n:(j + 1) * epi_n]
+      if wg_addend is not None:
+        # Straight from GMEM into the accumulator's layout: each thread loads
+        # its pairs of adjacent elements. Mosaic GPU's "optimized" transfers
+        # exist for SMEM only, hence optimized=False.
+        addend = plgpu.load(wg_addend.at[pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n)],
+                            layout=plgpu.Layout.WGMMA, optimized=False)
+        x = x + addend.astype(jnp.float32)
       if bias_smem is not None:
         bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)],
                           layout=plgpu.Layout.WGMMA.reduce(0))
