@@ -8,13 +8,13 @@ on Hopper GPUs that reach each other's memory, with a config that tiles the
 shards (`default_ring_config`); elsewhere `lax.all_gather` + one dot on GPUs
 (`all_gather_then_matmul`) and the XLA ring (`ring_all_gather_matmul`) on
 other backends. `matmul_reduce_scatter` chooses the same way between the
-Mosaic reduce-scatter ring (`collectives/ring_reduce_scatter_sm90.py`,
-reached through `matmul_reduce_scatter.ring_kernel`), one dot +
+Mosaic reduce-scatter ring (`ring_matmul_reduce_scatter`), one dot +
 `lax.psum_scatter` (`matmul_then_reduce_scatter`) and its XLA ring
 (`xla_ring_matmul_reduce_scatter`). Both are differentiable, each one's
 backward made of the other (`api.py`). Only the Mosaic ring kernels build on
-`pipelines`, through `emit_cooperative_matmul`'s `pipeline_callback` and
-`delay_release` hooks; the XLA forms multiply with XLA's dot (the XLA rings
+`pipelines`, through `emit_cooperative_matmul`'s hooks (`pipeline_callback` and
+`delay_release` for the all-gather, `addend_gmem` for the reduce-scatter); the
+XLA forms multiply with XLA's dot (the XLA rings
 accept `config` for the same signature and ignore it).
 """
 
@@ -38,10 +38,12 @@ from collectives.portable import (
 )
 from collectives.ring_config import default_ring_config
 from collectives.ring_matmul_sm90 import all_gather_lhs_matmul
+from collectives.ring_reduce_scatter_sm90 import ring_matmul_reduce_scatter
 
 __all__ = [
     "Implementation", "all_gather_lhs_matmul", "all_gather_matmul", "all_gather_then_matmul",
     "choose_implementation", "choose_reduce_scatter_implementation", "decide_implementation",
     "decide_reduce_scatter_implementation", "default_ring_config", "matmul_reduce_scatter",
-    "matmul_then_reduce_scatter", "ring_all_gather_matmul", "xla_ring_matmul_reduce_scatter",
+    "matmul_then_reduce_scatter", "ring_all_gather_matmul", "ring_matmul_reduce_scatter",
+    "xla_ring_matmul_reduce_scatter",
 ]

@@ -81,7 +81,8 @@ class CollectiveGradTest(testing.KernelTestCase):
       return REDUCE_SCATTER_STAND_IN(lhs, rhs, axis_name, dtype=dtype)
 
     kernel = types.SimpleNamespace(ring_matmul_reduce_scatter=reduce_scatter_kernel,
-                                   ring_reduce_scatter_config=lambda *_: KERNEL_CONFIG)
+                                   ring_reduce_scatter_config=lambda *_: KERNEL_CONFIG,
+                                   check_reduce_scatter_config=lambda *_: None)
     self.enter_context(mock.patch.object(ring_matmul_sm90, "all_gather_lhs_matmul",
                                          side_effect=all_gather_kernel))
     self.enter_context(mock.patch.object(reduce_scatter_module, "ring_kernel",
@@ -156,19 +157,6 @@ class CollectiveGradTest(testing.KernelTestCase):
     self.check_all_gather_matmul(2, implementation, seed=400, dtype=jnp.bfloat16)
     self.check_matmul_reduce_scatter(2, implementation, seed=410, dtype=jnp.bfloat16)
     self.check_all_gather_matmul(4, implementation, seed=420, dtype=jnp.float16)
-
-  def test_mosaic_backward_refuses_without_the_reduce_scatter_kernel(self):
-    """"mosaic" asks the backward for the Mosaic reduce-scatter ring, which may be missing;
-    "auto" then falls back in the backward."""
-    self.mock_mosaic_kernels()
-    unavailable = NotImplementedError(reduce_scatter_module.KERNEL_UNAVAILABLE)
-    self.enter_context(mock.patch.object(reduce_scatter_module, "ring_kernel",
-                                         side_effect=unavailable))
-    with self.assertRaisesRegex(NotImplementedError, reduce_scatter_module.KERNEL_UNAVAILABLE):
-      self.check_all_gather_matmul(2, "mosaic", seed=500)
-    self.all_gather_kernel_calls.clear()
-    self.check_all_gather_matmul(2, "auto", seed=510)
-    self.assertLen(self.all_gather_kernel_calls, 1)
 
 
 if __name__ == "__main__":

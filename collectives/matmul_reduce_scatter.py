@@ -1,35 +1,27 @@
-"""Which implementation of `matmul_reduce_scatter` runs, its forward product, and the seam
-to the Mosaic reduce-scatter ring kernel.
+"""Which implementation of `matmul_reduce_scatter` runs, and its forward product.
 
-The Mosaic kernel lives in `collectives/ring_reduce_scatter_sm90.py` and is
-reached only through `ring_kernel()`, which imports it on first use. Its
-interface:
+The Mosaic kernel (`ring_reduce_scatter_sm90`) is reached through
+`ring_kernel()`, the one place tests replace it:
 
     ring_matmul_reduce_scatter(lhs, rhs, axis_name, *, config, dtype=None) -> jax.Array
     ring_reduce_scatter_config(problem, out_dtype) -> TuningConfig | None
 
 the first as `portable.xla_ring_matmul_reduce_scatter`, the second a config
 the kernel can run on the problem of one row block, (M / D, K_shard, N), or
-None. Where the module is missing, `ring_kernel()` raises
-NotImplementedError: "auto" then falls back (on GPUs to the naive form, NCCL
-reduce-scatter + one dot, as `all_gather_matmul` does; elsewhere to the XLA
-ring) and "mosaic" refuses. The public, differentiable
+None. Where the ring cannot run, "auto" falls back (on GPUs to the naive
+form, NCCL reduce-scatter + one dot, as `all_gather_matmul` does; elsewhere
+to the XLA ring) and "mosaic" refuses. The public, differentiable
 `matmul_reduce_scatter` is in `api.py`.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 
-from collectives import dispatch, portable, topology
+from collectives import dispatch, portable, ring_reduce_scatter_sm90, topology
 from collectives.dispatch import Choice, Implementation
 from pipelines import TuningConfig, matmul
 from pipelines.operands import MatmulProblem
-
-RING_KERNEL_MODULE = "collectives.ring_reduce_scatter_sm90"
-KERNEL_UNAVAILABLE = "the Mosaic reduce-scatter ring kernel is not available"
 
 # Not measured yet: the all-gather's XLA ring measured 0.78x NCCL all-gather +
 # one dot on two H200s (all_gather_matmul.py), and this ring sends float32
@@ -40,34 +32,19 @@ _GPU_FALLBACK_REASON = ("on GPUs the naive form (NCCL reduce-scatter + one dot),
 
 
 def ring_kernel():
-  """The Mosaic reduce-scatter ring kernel's module (see the module docstring).
-
-  Raises NotImplementedError where this build has no such module; an import
-  error inside the module itself propagates.
-  """
-  try:
-    return importlib.import_module(RING_KERNEL_MODULE)
-  except ModuleNotFoundError as e:
-    if e.name != RING_KERNEL_MODULE:
-      raise
-    raise NotImplementedError(KERNEL_UNAVAILABLE) from None
-
-
-def kernel_support(num_devices: int) -> topology.RingSupport:
-  """Whether the Mosaic reduce-scatter ring can run over `num_devices` devices here."""
-  support = topology.mosaic_ring_support(num_devices)
-  if not support.supported:
-    return support
-  try:
-    ring_kernel()
-  except NotImplementedError as e:
-    return topology.RingSupport(False, str(e))
-  return support
+  """The Mosaic reduce-scatter ring kernel's module (see the module docstring)."""
+  return ring_reduce_scatter_sm90
 
 
 def default_ring_config(problem: MatmulProblem, out_dtype) -> TuningConfig | None:
   """The kernel's config for the row-block problem (M / D, K_shard, N), or None."""
   return ring_kernel().ring_reduce_scatter_config(problem, out_dtype)
+
+
+def check_ring_config(config: TuningConfig, problem: MatmulProblem, out_dtype) -> None:
+  """Raises ValueError unless the kernel can run `config` on the row-block problem; "auto"
+  then falls back from a caller's config instead of failing in the kernel."""
+  ring_kernel().check_reduce_scatter_config(config, problem, out_dtype)
 
 
 def _no_config_reason(problem: MatmulProblem) -> str:
@@ -81,9 +58,7 @@ OP = dispatch.RingOp(
     gpu_fallback_reason=_GPU_FALLBACK_REASON,
     default_config=default_ring_config,
     no_config_reason=_no_config_reason,
-    # The kernel's interface has no separate check: a caller's config goes to
-    # the kernel as given, and the kernel refuses one it cannot run.
-    check_config=None,
+    check_config=check_ring_config,
 )
 VALID_NAMES = OP.valid_names
 
@@ -102,7 +77,7 @@ def choose_implementation(num_devices: int, requested: Implementation | str = Im
                           config: TuningConfig | None = None) -> Choice:
   """Which implementation `matmul_reduce_scatter` runs over `num_devices` devices, and why."""
   return decide_implementation(requested, num_devices=num_devices,
-                               support=kernel_support(num_devices),
+                               support=topology.mosaic_ring_support(num_devices),
                                on_gpu=jax.default_backend() == "gpu", problem=problem,
                                out_dtype=out_dtype, config=config)
 

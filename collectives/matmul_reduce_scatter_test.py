@@ -38,7 +38,8 @@ def fake_kernel(*, config=KERNEL_CONFIG, calls=None):
     return XLA_RING(lhs, rhs, axis_name, dtype=dtype)
 
   return types.SimpleNamespace(ring_matmul_reduce_scatter=ring_matmul_reduce_scatter,
-                               ring_reduce_scatter_config=lambda problem, out_dtype: config)
+                               ring_reduce_scatter_config=lambda problem, out_dtype: config,
+                               check_reduce_scatter_config=lambda *_: None)
 
 
 def block_problem(m_block, k_shard, n):
@@ -104,39 +105,6 @@ class DecisionTest(parameterized.TestCase):
       collectives.choose_implementation(2, "xla_reduce_scatter")
 
 
-class SeamTest(parameterized.TestCase):
-  """Without the kernel module, "mosaic" refuses and "auto" falls back, never raising."""
-
-  def setUp(self):
-    super().setUp()
-    if importlib.util.find_spec(dispatch_module.RING_KERNEL_MODULE) is not None:
-      self.skipTest(f"{dispatch_module.RING_KERNEL_MODULE} is present: the seam is connected")
-
-  def test_the_kernel_is_not_available(self):
-    with self.assertRaisesRegex(NotImplementedError,
-                                "the Mosaic reduce-scatter ring kernel is not available"):
-      dispatch_module.ring_kernel()
-    with mock.patch.object(topology, "mosaic_ring_support", return_value=SUPPORTED):
-      support = dispatch_module.kernel_support(2)
-    self.assertEqual(support, topology.RingSupport(False, dispatch_module.KERNEL_UNAVAILABLE))
-
-  def test_mosaic_refuses_and_auto_falls_back(self):
-    with mock.patch.object(topology, "mosaic_ring_support", return_value=SUPPORTED):
-      with self.assertRaisesRegex(NotImplementedError,
-                                  "the Mosaic reduce-scatter ring kernel is not available"):
-        collectives.choose_reduce_scatter_implementation(
-            2, "mosaic", problem=block_problem(128, 256, 256), out_dtype=F16)
-      choice = collectives.choose_reduce_scatter_implementation(
-          2, problem=block_problem(128, 256, 256), out_dtype=F16)
-    self.assertIn(dispatch_module.KERNEL_UNAVAILABLE, choice.reason)
-
-  def test_an_import_error_inside_the_kernel_propagates(self):
-    missing = ModuleNotFoundError("No module named 'nvshmem'", name="nvshmem")
-    with mock.patch.object(importlib, "import_module", side_effect=missing), \
-        self.assertRaises(ModuleNotFoundError):
-      dispatch_module.ring_kernel()
-
-
 class DispatchTest(parameterized.TestCase):
   """`matmul_reduce_scatter` traced on 2 of 8 CPU devices, the kernel and its support mocked."""
 
@@ -187,16 +155,14 @@ class DispatchTest(parameterized.TestCase):
     self.assertIn("matmul_reduce_scatter over 2 devices of x: mosaic (", log)
     self.xla_ring.assert_not_called()
 
-  def test_auto_without_the_kernel_falls_back_and_says_why(self):
-    self.kernel.side_effect = NotImplementedError(dispatch_module.KERNEL_UNAVAILABLE)
-    log = self.trace(256, 64, 128)
+  def test_auto_without_the_ring_falls_back_and_says_why(self):
+    log = self.trace(256, 64, 128, support=UNSUPPORTED)
     self.xla_ring.assert_called_once()
-    self.assertIn(f"xla_ring ({dispatch_module.KERNEL_UNAVAILABLE})", log)
-    log = self.trace(256, 64, 128, backend="gpu")
+    self.assertIn(f"xla_ring ({UNSUPPORTED.reason})", log)
+    log = self.trace(256, 64, 128, support=UNSUPPORTED, backend="gpu")
     self.naive.assert_called_once()
-    self.assertIn(f"xla_reduce_scatter ({dispatch_module.KERNEL_UNAVAILABLE}", log)
-    with self.assertRaisesRegex(NotImplementedError, dispatch_module.KERNEL_UNAVAILABLE):
-      self.trace(256, 64, 128, implementation="mosaic")
+    self.assertIn(f"xla_reduce_scatter ({UNSUPPORTED.reason}", log)
+    self.assertEqual(self.kernel_configs, [])
 
   def test_simulated_ring_needs_the_collective_interpreter(self):
     with mock.patch.object(interpret, "can_interpret_collectives", return_value=False), \

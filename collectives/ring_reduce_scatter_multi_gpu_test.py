@@ -18,9 +18,8 @@ import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
 import simulator
-from collectives import reduce_scatter_sharding as rs_sharding
+from collectives import collective_test_base, sharding
 from collectives import ring_reduce_scatter_sm90 as rs
-from collectives import sharding
 from core import interpret, numerics, testing
 from pipelines import MatmulDimension, TuningConfig, epilogue, matmul_reference
 from pipelines.operands import MatmulProblem
@@ -44,9 +43,33 @@ def ring_problem(num_devices, block_m, k_shard, n, dtype, config, seed=0, out_dt
   mesh = sharding.ring_mesh(num_devices)
   lhs = testing.random_array(seed, (num_devices * block_m, num_devices * k_shard), dtype)
   rhs = testing.random_array(seed + 1, (num_devices * k_shard, n), dtype)
-  run = rs_sharding.reduce_scatter_fn(rs.ring_matmul_reduce_scatter, mesh, config=config,
-                                      dtype=out_dtype)
-  return run, rs_sharding.place_operands(lhs, rhs, mesh), lhs, rhs
+  run = sharding.ring_matmul_fn(rs.ring_matmul_reduce_scatter, mesh, config=config,
+                                      dtype=out_dtype, layout=sharding.REDUCE_SCATTER)
+  return run, sharding.place_operands(lhs, rhs, mesh, sharding.REDUCE_SCATTER), lhs, rhs
+
+
+class MosaicRingReduceScatterTest(collective_test_base.CollectiveMatmulTestBase):
+  """The shared cases on the Mosaic reduce-scatter ring: simulated devices on CPU, every
+  GPU of the host on GPUs. Two devices: the 4-device ring runs in the tests below."""
+
+  min_gpus = 2
+  layout = sharding.REDUCE_SCATTER
+  # One 128-row block of SMALL's CTA tiles and two 64-wide N tiles per device.
+  shard = (128, 128, 128)
+  device_counts = (2,)
+
+  def setUp(self):
+    super().setUp()
+    if self.backend == testing.INTERPRET:
+      self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=WAIT_TIMEOUT_S))
+
+  def run_ring(self, d, lhs, rhs, **kwargs):
+    if self.backend == testing.GPU and d != jax.device_count():
+      self.skipTest(f"the ring spans the job's {jax.device_count()} GPUs, not {d}")
+    return super().run_ring(d, lhs, rhs, **kwargs)
+
+  def implementation(self, lhs, rhs, axis_name, *, dtype=None):
+    return rs.ring_matmul_reduce_scatter(lhs, rhs, axis_name, config=SMALL, dtype=dtype)
 
 
 class RingReduceScatterKernelTest(testing.KernelTestCase):

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
-from collectives import reduce_scatter_sharding as rs_sharding
 from collectives import ring_reduce_scatter_sm90 as rs
 from collectives import sharding, topology
 from core import interpret, testing
@@ -27,9 +26,9 @@ LARGE = TuningConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=3, e
 
 def reduce_scatter_spec(num_devices, block_m, k_shard, n, dtype=jnp.float16):
   mesh = sharding.ring_mesh(num_devices)
-  return mesh, rs_sharding.abstract_operands(
+  return mesh, sharding.abstract_operands(
       jax.ShapeDtypeStruct((num_devices * block_m, num_devices * k_shard), dtype),
-      jax.ShapeDtypeStruct((num_devices * k_shard, n), dtype), mesh)
+      jax.ShapeDtypeStruct((num_devices * k_shard, n), dtype), mesh, sharding.REDUCE_SCATTER)
 
 
 class OneDeviceTest(testing.KernelTestCase):
@@ -45,8 +44,9 @@ class OneDeviceTest(testing.KernelTestCase):
     mesh = sharding.ring_mesh(1)
     lhs = testing.random_array(4, (256, 192), jnp.bfloat16)
     rhs = testing.random_array(5, (192, 128), jnp.bfloat16)
-    run = rs_sharding.reduce_scatter_fn(rs.ring_matmul_reduce_scatter, mesh, config=SMALL)
-    out = self.run_kernel(run, *rs_sharding.place_operands(lhs, rhs, mesh))
+    run = sharding.ring_matmul_fn(
+        rs.ring_matmul_reduce_scatter, mesh, config=SMALL, layout=sharding.REDUCE_SCATTER)
+    out = self.run_kernel(run, *sharding.place_operands(lhs, rhs, mesh, sharding.REDUCE_SCATTER))
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.bfloat16)
 
 
@@ -68,7 +68,8 @@ class LoweringAndValidationTest(parameterized.TestCase):
       self.skipTest(f"needs {num_devices} devices: run with "
                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     mesh, args = reduce_scatter_spec(num_devices, 256, 512, 512)
-    run = rs_sharding.reduce_scatter_fn(rs.ring_matmul_reduce_scatter, mesh, config=LARGE)
+    run = sharding.ring_matmul_fn(
+        rs.ring_matmul_reduce_scatter, mesh, config=LARGE, layout=sharding.REDUCE_SCATTER)
     supported = topology.RingSupport(True, "lowering only")
     with interpret.interpret_disabled(), mock.patch.object(
         topology, "mosaic_ring_support", return_value=supported), mock.patch.object(
@@ -80,7 +81,8 @@ class LoweringAndValidationTest(parameterized.TestCase):
     if jax.default_backend() == "gpu":
       self.skipTest("checks the CPU refusal")
     mesh, args = reduce_scatter_spec(jax.device_count(), 128, 64, 64)
-    run = rs_sharding.reduce_scatter_fn(rs.ring_matmul_reduce_scatter, mesh, config=SMALL)
+    run = sharding.ring_matmul_fn(
+        rs.ring_matmul_reduce_scatter, mesh, config=SMALL, layout=sharding.REDUCE_SCATTER)
     with interpret.interpret_disabled(), self.assertRaisesRegex(
         NotImplementedError, "cannot run here: the backend is 'cpu'"):
       run.trace(*args)
@@ -89,7 +91,8 @@ class LoweringAndValidationTest(parameterized.TestCase):
     if jax.device_count() < 2:
       self.skipTest("needs a job of several devices")
     mesh, args = reduce_scatter_spec(1, 128, 64, 64)
-    run = rs_sharding.reduce_scatter_fn(rs.ring_matmul_reduce_scatter, mesh, config=SMALL)
+    run = sharding.ring_matmul_fn(
+        rs.ring_matmul_reduce_scatter, mesh, config=SMALL, layout=sharding.REDUCE_SCATTER)
     with interpret.interpret_disabled(), self.assertRaisesRegex(
         ValueError, "the ring must span every device"):
       run.trace(*args)
@@ -118,11 +121,11 @@ class LoweringAndValidationTest(parameterized.TestCase):
     ]
     for num_devices, m, k_shard, n, dtype, out_dtype, config, message in cases:
       mesh = sharding.ring_mesh(num_devices)
-      args = rs_sharding.abstract_operands(
+      args = sharding.abstract_operands(
           jax.ShapeDtypeStruct((m, num_devices * k_shard), dtype),
-          jax.ShapeDtypeStruct((num_devices * k_shard, n), dtype), mesh)
-      run = rs_sharding.reduce_scatter_fn(rs.ring_matmul_reduce_scatter, mesh, config=config,
-                                          dtype=out_dtype)
+          jax.ShapeDtypeStruct((num_devices * k_shard, n), dtype), mesh, sharding.REDUCE_SCATTER)
+      run = sharding.ring_matmul_fn(rs.ring_matmul_reduce_scatter, mesh, config=config,
+                                          dtype=out_dtype, layout=sharding.REDUCE_SCATTER)
       with self.subTest(message), interpret.interpret_mode(), \
           self.assertRaisesRegex(ValueError, message):
         run.trace(*args)
