@@ -16,6 +16,9 @@ back-to-back calls (`tools.gpu_sampling.sustained_run`).
 
     --ws_config=schedule=PINGPONG,tile_m=128,tile_n=128,max_concurrent_steps=3
 
+`--suite=shapes` times the shape classes users have beyond the aligned suite
+(M and N off the tiles, decode-size M, small outputs with a long K, K off 64);
+where the tuning cache has an entry, a second row shows the heuristic's config.
 `--layout=TN` (repeatable: NN, TN, NT, TT) times operands stored transposed,
 against XLA's dot_general on the same stored arrays; `--backward` adds the
 backward pass of a gelu layer against XLA's autodiff of it.
@@ -38,21 +41,34 @@ from absl import flags
 from core import device_facts, has_gpu, timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
 from pipelines import (
-    Epilogue,
-    PipelinedConfig,
-    TuningConfig,
-    matmul,
-    matmul_reference,
-    pipelined_matmul,
+  Epilogue,
+  PipelinedConfig,
+  TuningConfig,
+  default_config,
+  matmul,
+  matmul_reference,
+  pipelined_matmul,
+  tuning_cache,
 )
-from pipelines.operands import NN, OperandLayout
+from pipelines.operands import NN, MatmulProblem, OperandLayout
 from tools import cli, gpu_sampling, report
 
+# The aligned suite: tile-multiple shapes, where the kernels were first tuned.
 SUITE = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192, 4096),
          (8192, 8192, 1024), (16384, 1024, 8192))
+# The shape classes users have beyond it: M and N off every tile multiple,
+# decode-size M with large K and N, small outputs with a long K, and K a
+# multiple of 16 but not of 64.
+SHAPE_CLASSES = ((1000, 4096, 3000), (333, 2048, 1111), (4999, 4096, 2500), (100, 8192, 4000),
+                 (1, 8192, 8192), (16, 8192, 8192), (64, 4096, 14336),
+                 (256, 16384, 256), (128, 32768, 128),
+                 (4096, 80, 4096), (8192, 144, 8192), (2048, 48, 2048))
+SUITES = {"aligned": SUITE, "shapes": SHAPE_CLASSES}
 
-_SHAPES = flags.DEFINE_list("shapes", [f"{m}x{k}x{n}" for m, k, n in SUITE],
-                            "Problems as MxKxN.")
+_SUITE = flags.DEFINE_enum("suite", "aligned", list(SUITES),
+                           "Shapes to time when --shapes is not given: the aligned suite, or "
+                           "the shape classes (ragged, decode-size, long-K, K off 64).")
+_SHAPES = flags.DEFINE_list("shapes", None, "Problems as MxKxN (instead of --suite).")
 _DTYPES = flags.DEFINE_list("dtypes", ["float16", "bfloat16"], "Operand dtypes.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per kernel and round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds in which the kernels take turns.")
@@ -141,6 +157,12 @@ def bench_problem(m: int, k: int, n: int, dtype, layout: OperandLayout = NN) -> 
       "jnp.dot": _xla_dot(layout),
       "ours: warp-specialized": functools.partial(matmul, **transposes),
   }
+  problem = MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(dtype), layout=layout)
+  if tuning_cache.lookup(problem, dtype) is not None:
+    # The row above takes the cached config; this one shows what a shape
+    # outside the cache gets.
+    impls["ours: heuristic config"] = functools.partial(
+        matmul, config=default_config(problem, dtype), **transposes)
   for text in _WS_CONFIGS.value:
     config = cli.parse_config(TuningConfig, text)
     impls[f"ours: warp-specialized [{text}]"] = functools.partial(matmul, config=config,
@@ -220,8 +242,9 @@ def main(argv):
   records = []
   layouts = [OperandLayout(transpose_lhs=name[0] == "T", transpose_rhs=name[1] == "T")
              for name in _LAYOUTS.value]
-  for shape in _SHAPES.value:
-    m, k, n = cli.parse_shape(shape)
+  shapes = ([cli.parse_shape(shape) for shape in _SHAPES.value] if _SHAPES.value
+            else SUITES[_SUITE.value])
+  for m, k, n in shapes:
     for dtype in _DTYPES.value:
       for layout in layouts:
         records += bench_problem(m, k, n, jnp.dtype(dtype), layout)
