@@ -22,6 +22,12 @@ _M_SHARD = flags.DEFINE_integer("m_shard", 1024, "LHS rows per device.")
 _K = flags.DEFINE_integer("k", 4096, "Contraction size.")
 _N_SHARD = flags.DEFINE_integer("n_shard", 4096, "RHS columns per device.")
 _DTYPE = flags.DEFINE_enum("dtype", "float16", ["float16", "bfloat16"], "Operand dtype.")
+_OP = flags.DEFINE_enum(
+    "op", "all_gather", list(collective_table.OPS),
+    "all_gather: all_gather_matmul (per device lhs (M_shard, K), rhs (K, N_shard)); "
+    "reduce_scatter: matmul_reduce_scatter (per device lhs (D * M_shard, K), rhs "
+    "(K, N_shard): --k is K_shard, --n_shard all of N, --m_shard the rows of one "
+    "output block).")
 _CONFIGS = flags.DEFINE_multi_string("config", [""], "TuningConfig fields (repeat to compare); "
                                      "empty: the matmul heuristic.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per measurement.")
@@ -61,15 +67,16 @@ def main(argv):
                      "`bazel run //examples:allgather_matmul` runs the portable path on CPU.")
   out_dir = cli.output_dir(_OUT_DIR.value)
   problem = collective_table.LocalProblem(m_shard=_M_SHARD.value, k=_K.value,
-                                          n_shard=_N_SHARD.value, dtype=_DTYPE.value)
+                                          n_shard=_N_SHARD.value, dtype=_DTYPE.value,
+                                          op=_OP.value)
   rows = []
   for config in _CONFIGS.value:
     rows += collective_table.measure_rows([int(c) for c in _DEVICE_COUNTS.value], problem,
                                           host_gpus=gpus, config_text=config,
                                           iterations=_ITERATIONS.value)
-  report.print_table(rows, ("config",) + collective_table.COLUMNS)
-  json_path, png_path = (os.path.join(out_dir, name) for name in
-                         ("allgather_matmul_bench.json", "allgather_matmul_bench.png"))
+  report.print_table(rows, ("op", "config") + collective_table.COLUMNS)
+  stem = {"all_gather": "allgather_matmul", "reduce_scatter": "matmul_reducescatter"}[_OP.value]
+  json_path, png_path = (os.path.join(out_dir, f"{stem}_bench.{ext}") for ext in ("json", "png"))
   report.write_json(json_path, rows)
   if rows:
     report.write_plot(plot, rows, png_path)

@@ -1,10 +1,12 @@
 """The collective matmul table: one row per device count.
 
-A row times, on random normal operands in the ring layout, for D devices and
+A row times, on random normal operands in the op's layout, for D devices and
 one local problem (M_shard, K, N_shard):
-  * the all-gather matmul (`collectives.all_gather_matmul`, which says which
+  * the collective matmul (`collectives.all_gather_matmul`, or with
+    `op="reduce_scatter"` `collectives.matmul_reduce_scatter`; it says which
     implementation it took), checked against a float32 XLA reference;
-  * the baseline: `lax.all_gather` then one dot (NCCL + cuBLAS on GPUs);
+  * the baseline: `lax.all_gather` then one dot, or one dot then
+    `lax.psum_scatter` (NCCL + cuBLAS on GPUs);
   * on GPUs, the lower bound: D times the single-GPU matmul of the local
     shard problem, plus `ROUND_LATENCY_US` per communication round;
 and, on GPUs, each time as tensor-core utilization: the FLOPs of one device
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,17 +59,55 @@ CPU_ITERATIONS = 5
 CHILD_MODULE = "tools.collective_table_child"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  """A collective matmul, its naive baseline, its sharding and its dispatcher's choice."""
+
+  fn: Callable
+  baseline: Callable
+  layout: sharding.Layout
+  choose: Callable
+
+
+OPS = {
+    "all_gather": _Op(collectives.all_gather_matmul, collectives.all_gather_then_matmul,
+                      sharding.ALL_GATHER, collectives.choose_implementation),
+    "reduce_scatter": _Op(collectives.matmul_reduce_scatter,
+                          collectives.matmul_then_reduce_scatter, sharding.REDUCE_SCATTER,
+                          collectives.choose_reduce_scatter_implementation),
+}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LocalProblem:
-  """What one device holds: lhs (m_shard, k), rhs (k, n_shard)."""
+  """One device's share of a ring of D devices.
+
+  For `op="all_gather"` a device holds lhs (m_shard, k) and rhs (k, n_shard)
+  and computes D blocks of (m_shard, n_shard); for `op="reduce_scatter"` it
+  holds lhs (D * m_shard, k) and rhs (k, n_shard) (k is K_shard, n_shard all
+  of N) and adds D partial blocks of (m_shard, n_shard) into its own. Either
+  way a device does D local matmuls of (m_shard, k, n_shard).
+  """
 
   m_shard: int
   k: int
   n_shard: int
   dtype: str = "float16"
+  op: str = "all_gather"
+
+  def __post_init__(self):
+    if self.op not in OPS:
+      raise ValueError(f"op={self.op!r} must be one of {sorted(OPS)}")
 
   def flops_per_device(self, num_devices: int) -> int:
     return 2 * num_devices * self.m_shard * self.k * self.n_shard
+
+  def global_shapes(self, num_devices: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The global (lhs, rhs) shapes of the ring, in the op's layout."""
+    d, m, k, n = num_devices, self.m_shard, self.k, self.n_shard
+    if self.op == "all_gather":
+      return (d * m, k), (k, d * n)
+    return (d * m, d * k), (d * k, n)
 
 
 def _time_wall(fn, args, iterations: int) -> tuple[float, jax.Array]:
@@ -79,11 +120,10 @@ def _time_wall(fn, args, iterations: int) -> tuple[float, jax.Array]:
   return statistics.median(times), out
 
 
-def _float32_reference(mesh):
+def _float32_reference(mesh, layout: sharding.Layout):
   def ref(lhs, rhs):
     return jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST,
-                   out_sharding=NamedSharding(mesh, sharding.OUT_SPEC))
+                   precision=lax.Precision.HIGHEST, out_sharding=NamedSharding(mesh, layout.out))
   return jax.jit(ref)
 
 
@@ -92,17 +132,19 @@ def measure_row(num_devices: int, problem: LocalProblem, *, config: TuningConfig
                 ) -> dict:
   """Measures one row of the table on the first `num_devices` devices of the job."""
   mesh = sharding.ring_mesh(num_devices)
-  d, p = num_devices, problem
-  lhs, rhs = cli.random_operands(d * p.m_shard, p.k, d * p.n_shard, p.dtype)
-  args = sharding.place_operands(lhs, rhs, mesh)
-  kernel = sharding.ring_matmul_fn(collectives.all_gather_matmul, mesh, config=config,
+  d, p, op = num_devices, problem, OPS[problem.op]
+  (m, k), (_, n) = p.global_shapes(d)
+  lhs, rhs = cli.random_operands(m, k, n, p.dtype)
+  args = sharding.place_operands(lhs, rhs, mesh, op.layout)
+  kernel = sharding.ring_matmul_fn(op.fn, mesh, layout=op.layout, config=config,
                                    implementation=implementation)
-  baseline = sharding.ring_matmul_fn(collectives.all_gather_then_matmul, mesh)
-  # The label is what the dispatcher runs for these shards, fallbacks included.
+  baseline = sharding.ring_matmul_fn(op.baseline, mesh, layout=op.layout)
+  # The label is what the dispatcher runs for these shards, fallbacks included
+  # (its problem: one device's shard, or for the reduce-scatter one row block).
   shard_problem = MatmulProblem(m=p.m_shard, k=p.k, n=p.n_shard, dtype=jnp.dtype(p.dtype))
-  choice = collectives.choose_implementation(d, implementation, problem=shard_problem,
-                                             out_dtype=shard_problem.dtype, config=config)
-  row = dict(devices=d, m_shard=p.m_shard, k=p.k, n_shard=p.n_shard, dtype=p.dtype,
+  choice = op.choose(d, implementation, problem=shard_problem,
+                     out_dtype=shard_problem.dtype, config=config)
+  row = dict(op=p.op, devices=d, m_shard=p.m_shard, k=p.k, n_shard=p.n_shard, dtype=p.dtype,
              implementation=choice.implementation.value,
              config=repr(config) if config else "default")
   if has_gpu():
@@ -116,7 +158,7 @@ def measure_row(num_devices: int, problem: LocalProblem, *, config: TuningConfig
     baseline_us, _ = _time_wall(baseline, args, CPU_ITERATIONS)
     row.update(timer="wall clock (CPU)", kernel_us=kernel_us, baseline_us=baseline_us)
   row["speedup"] = row["baseline_us"] / row["kernel_us"]
-  row["rel_error"] = relative_error_on_device(out, _float32_reference(mesh)(*args))
+  row["rel_error"] = relative_error_on_device(out, _float32_reference(mesh, op.layout)(*args))
   row["correct"] = row["rel_error"] <= RELATIVE_TOLERANCE[jnp.dtype(p.dtype)]
   return row
 
@@ -198,7 +240,7 @@ def child_argv(num_devices: int, problem: LocalProblem, *, config_text: str,
   """The command line of the child process that measures one row into `row_json`."""
   return [sys.executable, "-m", CHILD_MODULE, f"--devices={num_devices}",
           f"--m_shard={problem.m_shard}", f"--k={problem.k}", f"--n_shard={problem.n_shard}",
-          f"--dtype={problem.dtype}", f"--config={config_text}",
+          f"--dtype={problem.dtype}", f"--op={problem.op}", f"--config={config_text}",
           f"--implementation={implementation}", f"--iterations={iterations}",
           f"--row_json={row_json}"]
 

@@ -24,7 +24,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description="Measures one row of the collective table.")
   for name in ("devices", "m_shard", "k", "n_shard", "iterations"):
     parser.add_argument(f"--{name}", type=int, required=True)
-  for name in ("dtype", "config", "implementation", "row_json"):
+  for name in ("dtype", "op", "config", "implementation", "row_json"):
     parser.add_argument(f"--{name}", required=True)
   return parser.parse_args(argv)
 
@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   a = parse_args(argv)
   config = cli.parse_config(TuningConfig, a.config) if a.config else None
   problem = collective_table.LocalProblem(m_shard=a.m_shard, k=a.k, n_shard=a.n_shard,
-                                          dtype=a.dtype)
+                                          dtype=a.dtype, op=a.op)
   row = collective_table.measure_row(a.devices, problem, config=config,
                                      implementation=a.implementation,
                                      iterations=a.iterations)

@@ -1,8 +1,10 @@
 """The collective table's GPU arithmetic, on synthetic CUPTI timings (no GPU)."""
 
+import dataclasses
 import types
 from unittest import mock
 
+import jax
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -109,6 +111,31 @@ class ChildCommandLineTest(absltest.TestCase):
                      (4, PROBLEM.m_shard, PROBLEM.k, PROBLEM.n_shard, PROBLEM.dtype))
     self.assertEqual((a.config, a.implementation, a.iterations, a.row_json),
                      ("tile_m=64,tile_n=256", "xla_ring", 7, "/tmp/row.json"))
+    rs_problem = dataclasses.replace(PROBLEM, op="reduce_scatter")
+    argv = collective_table.child_argv(2, rs_problem, config_text="", implementation="auto",
+                                       iterations=1, row_json="/tmp/row.json")
+    self.assertEqual(collective_table_child.parse_args(argv[3:]).op, "reduce_scatter")
+
+  def test_unknown_op_is_refused(self):
+    with self.assertRaisesRegex(ValueError, r"op='all_reduce' must be one of"):
+      collective_table.LocalProblem(m_shard=8, k=16, n_shard=8, op="all_reduce")
+
+
+class CpuRowTest(absltest.TestCase):
+  """A row of each op on simulated CPU devices: the op's layout, label and reference."""
+
+  def test_rows_of_both_ops(self):
+    if jax.device_count() < 2:
+      self.skipTest("needs 2 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    for op, shapes in (("all_gather", ((64, 64), (64, 64))),
+                       ("reduce_scatter", ((64, 128), (128, 32)))):
+      with self.subTest(op=op):
+        problem = collective_table.LocalProblem(m_shard=32, k=64, n_shard=32, op=op)
+        self.assertEqual(problem.global_shapes(2), shapes)
+        with mock.patch.object(collective_table, "has_gpu", return_value=False):
+          row = collective_table.measure_row(2, problem)
+        self.assertEqual((row["op"], row["implementation"]), (op, "xla_ring"))
+        self.assertTrue(row["correct"], row)
 
 
 if __name__ == "__main__":
