@@ -13,6 +13,8 @@ import dataclasses
 import enum
 from collections.abc import Callable
 
+import jax
+
 from collectives import topology
 from core import interpret
 from pipelines import TuningConfig
@@ -141,6 +143,17 @@ def decide(op: RingOp, requested: Implementation | str, *, num_devices: int,
       return _fallback(op, f"the ring cannot run the given config: {e}", on_gpu=on_gpu)
   # "mosaic" with a config it cannot run is refused by the kernel's own check.
   return Choice(Implementation.MOSAIC, reason, config)
+
+
+def choose(op: RingOp, num_devices: int, requested: Implementation | str, *,
+           problem: MatmulProblem | None, out_dtype=None,
+           config: TuningConfig | None = None) -> Choice:
+  """`decide` with this job's facts: whether the Mosaic ring can run over
+  `num_devices` devices here, and whether they are GPUs."""
+  return decide(op, requested, num_devices=num_devices,
+                support=topology.mosaic_ring_support(num_devices),
+                on_gpu=jax.default_backend() == "gpu", problem=problem, out_dtype=out_dtype,
+                config=config)
 
 
 def check_interpreter_runs_the_ring(num_devices: int) -> None:

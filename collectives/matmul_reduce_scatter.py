@@ -76,10 +76,8 @@ def choose_implementation(num_devices: int, requested: Implementation | str = Im
                           *, problem: MatmulProblem | None = None, out_dtype=None,
                           config: TuningConfig | None = None) -> Choice:
   """Which implementation `matmul_reduce_scatter` runs over `num_devices` devices, and why."""
-  return decide_implementation(requested, num_devices=num_devices,
-                               support=topology.mosaic_ring_support(num_devices),
-                               on_gpu=jax.default_backend() == "gpu", problem=problem,
-                               out_dtype=out_dtype, config=config)
+  return dispatch.choose(OP, num_devices, requested, problem=problem, out_dtype=out_dtype,
+                         config=config)
 
 
 def forward(choice: Choice, lhs: jax.Array, rhs: jax.Array, axis_name, *, num_devices: int,
