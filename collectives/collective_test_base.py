@@ -11,12 +11,16 @@ Test support only: no kernel module imports this.
 
 from __future__ import annotations
 
+import functools
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 from absl.testing import parameterized
 
+import simulator
 from collectives import sharding
-from core import testing
+from core import interpret, testing
 from pipelines import matmul_reference
 
 DTYPES = (jnp.float16, jnp.bfloat16)
@@ -75,3 +79,47 @@ class CollectiveMatmulTestBase(testing.KernelTestCase):
 
   def test_output_dtype_other_than_the_operands(self):
     self.check(self.device_counts[0], jnp.bfloat16, seed=30, out_dtype=jnp.float16)
+
+
+class SimulatedRingTestCase(testing.KernelTestCase):
+  """A Mosaic ring kernel's tests: simulated devices in the collective
+  interpreter on CPU (`simulator`), every GPU of the host on GPUs."""
+
+  min_gpus = 2
+  # Bounds a wait on a signal that never comes (a broken kernel) in CI.
+  wait_timeout_s = 60.0
+
+  def setUp(self):
+    super().setUp()
+    if self.backend == testing.INTERPRET:
+      self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=self.wait_timeout_s))
+
+  def simulated_devices(self, num_devices: int) -> None:
+    """Skips, saying why, unless `num_devices` simulated devices can run here."""
+    if self.backend != testing.INTERPRET:
+      self.skipTest("simulated ring sizes run in interpret mode; the GPU run uses every GPU")
+    if num_devices > jax.device_count():
+      self.skipTest(f"needs {num_devices} simulated devices, the job has {jax.device_count()}")
+
+  def spanning_ring(self, num_devices: int) -> None:
+    """On GPUs the ring spans the job: other sizes skip, saying so."""
+    if self.backend == testing.GPU and num_devices != jax.device_count():
+      self.skipTest(f"the ring spans the job's {jax.device_count()} GPUs, not {num_devices}")
+
+  def check_planted_race(self, module, name, replacement, run, args) -> None:
+    """`run(*args)` with `module.name` replaced must be reported as a race."""
+    # No warning: every TMA copy had its own pseudo-thread, so the detector
+    # cannot have mistaken the broken send for a completed one.
+    with mock.patch.object(module, name, replacement), \
+        self.assertNoLogs(simulator.__name__, "WARNING"):
+      jax.block_until_ready(run(*args))
+    self.assertTrue(interpret.races_found(), f"{name} was broken and no race was reported")
+
+
+def signals_before_landing(plgpu_module):
+  """A planted bug for `check_planted_race`: `wait_smem_to_gmem` that waits
+  only for reads, so a sender signals before its copies have landed (the
+  kernels' only waits that are not read-only are the ones before a signal)."""
+  return functools.partial(lambda original, n, wait_read_only=False:
+                           original(n, wait_read_only=True) if wait_read_only else None,
+                           plgpu_module.wait_smem_to_gmem)

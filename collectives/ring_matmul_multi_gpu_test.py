@@ -9,8 +9,6 @@ GPU of the host (one process for all of them) at the reference problem size.
 """
 
 import dataclasses
-import functools
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,7 @@ from absl.testing import absltest, parameterized
 import collectives
 import simulator
 from collectives import collective_test_base, ring_matmul_sm90, sharding
-from core import interpret, testing
+from core import testing
 from pipelines import MatmulDimension, TuningConfig, matmul_reference
 
 # XLA sizes its CPU thread pool when jax starts the CPU backend, which no
@@ -28,8 +26,6 @@ simulator.reserve_intra_op_threads()
 
 SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_m=64,
                      epi_tile_n=32, grid_tile_width=2, wg_dimension=MatmulDimension.M)
-# Bounds a wait on a signal that never comes (a broken kernel) in CI.
-WAIT_TIMEOUT_S = 60.0
 
 
 def ring_problem(num_devices, m_shard, k, n_shard, dtype, config, seed=0):
@@ -41,45 +37,25 @@ def ring_problem(num_devices, m_shard, k, n_shard, dtype, config, seed=0):
   return run, sharding.place_operands(lhs, rhs, mesh), lhs, rhs
 
 
-class MosaicRingAllGatherTest(collective_test_base.CollectiveMatmulTestBase):
+class MosaicRingAllGatherTest(collective_test_base.SimulatedRingTestCase,
+                              collective_test_base.CollectiveMatmulTestBase):
   """The shared cases on the Mosaic ring kernel: simulated devices on CPU, every GPU
   of the host on GPUs (the ring spans the job, so other sizes skip there). Two
   devices: the 4-device ring runs in `RingKernelTest`."""
 
-  min_gpus = 2
   # Two 128-row M tiles and two 64-wide N tiles of SMALL per device.
   shard = (256, 128, 128)
   device_counts = (2,)
 
-  def setUp(self):
-    super().setUp()
-    if self.backend == testing.INTERPRET:
-      self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=WAIT_TIMEOUT_S))
-
   def run_ring(self, d, lhs, rhs, **kwargs):
-    if self.backend == testing.GPU and d != jax.device_count():
-      self.skipTest(f"the ring spans the job's {jax.device_count()} GPUs, not {d}")
+    self.spanning_ring(d)
     return super().run_ring(d, lhs, rhs, **kwargs)
 
   def implementation(self, lhs, rhs, axis_name, *, dtype=None):
     return collectives.all_gather_lhs_matmul(lhs, rhs, axis_name, config=SMALL, dtype=dtype)
 
 
-class RingKernelTest(testing.KernelTestCase):
-
-  min_gpus = 2
-
-  def setUp(self):
-    super().setUp()
-    if self.backend == testing.INTERPRET:
-      self.enter_context(simulator.collective_interpret_mode(
-          wait_timeout_s=WAIT_TIMEOUT_S))
-
-  def simulated_devices(self, num_devices):
-    if self.backend != testing.INTERPRET:
-      self.skipTest("simulated ring sizes run in interpret mode; the GPU run uses every GPU")
-    if num_devices > jax.device_count():
-      self.skipTest(f"needs {num_devices} simulated devices, the job has {jax.device_count()}")
+class RingKernelTest(collective_test_base.SimulatedRingTestCase):
 
   @parameterized.product(num_devices=[2, 4], wg_dimension=list(MatmulDimension))
   def test_simulated_ring_matches_reference(self, num_devices, wg_dimension):
@@ -98,22 +74,14 @@ class RingKernelTest(testing.KernelTestCase):
       # The receiver reads its scratch slots without waiting for the signal.
       ("receiver_does_not_wait", ring_matmul_sm90.pl, "semaphore_wait",
        lambda *args, **kwargs: None),
-      # The sender signals before its copies have landed: the kernel's only
-      # wait that is not read-only is the one before the signal.
+      # The sender signals before its copies have landed.
       ("sender_signals_before_copies_land", ring_matmul_sm90.plgpu, "wait_smem_to_gmem",
-       functools.partial(lambda original, n, wait_read_only=False:
-                         original(n, wait_read_only=True) if wait_read_only else None,
-                         ring_matmul_sm90.plgpu.wait_smem_to_gmem)),
+       collective_test_base.signals_before_landing(ring_matmul_sm90.plgpu)),
   )
   def test_planted_race_is_caught(self, module, name, replacement):
     self.simulated_devices(2)
-    # No warning: every TMA copy had its own pseudo-thread, so the detector
-    # cannot have mistaken the broken send for a completed one.
-    with mock.patch.object(module, name, replacement), \
-        self.assertNoLogs(simulator.__name__, "WARNING"):
-      run, args, _, _ = ring_problem(2, 128, 128, 64, jnp.float16, SMALL, seed=5)
-      jax.block_until_ready(run(*args))
-    self.assertTrue(interpret.races_found(), f"{name} was broken and no race was reported")
+    run, args, _, _ = ring_problem(2, 128, 128, 64, jnp.float16, SMALL, seed=5)
+    self.check_planted_race(module, name, replacement, run, args)
 
   def test_all_gpus_at_the_reference_size(self):
     if self.backend != testing.GPU:

@@ -10,7 +10,6 @@ all of them) at a real problem size.
 """
 
 import dataclasses
-import functools
 from unittest import mock
 
 import jax
@@ -20,7 +19,7 @@ from absl.testing import absltest, parameterized
 import simulator
 from collectives import collective_test_base, sharding
 from collectives import ring_reduce_scatter_sm90 as rs
-from core import interpret, numerics, testing
+from core import numerics, testing
 from pipelines import MatmulDimension, TuningConfig, epilogue, matmul_reference
 from pipelines.operands import MatmulProblem
 
@@ -48,44 +47,28 @@ def ring_problem(num_devices, block_m, k_shard, n, dtype, config, seed=0, out_dt
   return run, sharding.place_operands(lhs, rhs, mesh, sharding.REDUCE_SCATTER), lhs, rhs
 
 
-class MosaicRingReduceScatterTest(collective_test_base.CollectiveMatmulTestBase):
+class MosaicRingReduceScatterTest(collective_test_base.SimulatedRingTestCase,
+                                  collective_test_base.CollectiveMatmulTestBase):
   """The shared cases on the Mosaic reduce-scatter ring: simulated devices on CPU, every
   GPU of the host on GPUs. Two devices: the 4-device ring runs in the tests below."""
 
-  min_gpus = 2
+  wait_timeout_s = WAIT_TIMEOUT_S
   layout = sharding.REDUCE_SCATTER
   # One 128-row block of SMALL's CTA tiles and two 64-wide N tiles per device.
   shard = (128, 128, 128)
   device_counts = (2,)
 
-  def setUp(self):
-    super().setUp()
-    if self.backend == testing.INTERPRET:
-      self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=WAIT_TIMEOUT_S))
-
   def run_ring(self, d, lhs, rhs, **kwargs):
-    if self.backend == testing.GPU and d != jax.device_count():
-      self.skipTest(f"the ring spans the job's {jax.device_count()} GPUs, not {d}")
+    self.spanning_ring(d)
     return super().run_ring(d, lhs, rhs, **kwargs)
 
   def implementation(self, lhs, rhs, axis_name, *, dtype=None):
     return rs.ring_matmul_reduce_scatter(lhs, rhs, axis_name, config=SMALL, dtype=dtype)
 
 
-class RingReduceScatterKernelTest(testing.KernelTestCase):
+class RingReduceScatterKernelTest(collective_test_base.SimulatedRingTestCase):
 
-  min_gpus = 2
-
-  def setUp(self):
-    super().setUp()
-    if self.backend == testing.INTERPRET:
-      self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=WAIT_TIMEOUT_S))
-
-  def simulated_devices(self, num_devices):
-    if self.backend != testing.INTERPRET:
-      self.skipTest("simulated ring sizes run in interpret mode; the GPU run uses every GPU")
-    if num_devices > jax.device_count():
-      self.skipTest(f"needs {num_devices} simulated devices, the job has {jax.device_count()}")
+  wait_timeout_s = WAIT_TIMEOUT_S
 
   @parameterized.product(num_devices=[2, 4], wg_dimension=list(MatmulDimension))
   def test_simulated_ring_matches_reference(self, num_devices, wg_dimension):
@@ -110,22 +93,14 @@ class RingReduceScatterKernelTest(testing.KernelTestCase):
   @parameterized.named_parameters(
       # The receiver reads its scratch slots without waiting for the signal.
       ("receiver_does_not_wait", rs.pl, "semaphore_wait", lambda *args, **kwargs: None),
-      # The sender signals before its stores have landed: the kernel's only
-      # waits that are not read-only are the ones before the signal.
+      # The sender signals before its stores have landed.
       ("sender_signals_before_copies_land", rs.plgpu, "wait_smem_to_gmem",
-       functools.partial(lambda original, n, wait_read_only=False:
-                         original(n, wait_read_only=True) if wait_read_only else None,
-                         rs.plgpu.wait_smem_to_gmem)),
+       collective_test_base.signals_before_landing(rs.plgpu)),
   )
   def test_planted_race_is_caught(self, module, name, replacement):
     self.simulated_devices(2)
-    # No warning: every TMA copy had its own pseudo-thread, so the detector
-    # cannot have mistaken the broken send for a completed one.
-    with mock.patch.object(module, name, replacement), \
-        self.assertNoLogs(simulator.__name__, "WARNING"):
-      run, args, _, _ = ring_problem(2, 128, 128, 128, jnp.float16, SMALL, seed=5)
-      jax.block_until_ready(run(*args))
-    self.assertTrue(interpret.races_found(), f"{name} was broken and no race was reported")
+    run, args, _, _ = ring_problem(2, 128, 128, 128, jnp.float16, SMALL, seed=5)
+    self.check_planted_race(module, name, replacement, run, args)
 
   def test_planted_double_add_gives_wrong_numbers(self):
     """An epilogue that adds the received running sum twice: no race (the
