@@ -52,7 +52,8 @@ from collectives.dispatch import Choice, Implementation
 from collectives.matmul_reduce_scatter import OP as REDUCE_SCATTER_OP
 from collectives.matmul_reduce_scatter import choose_implementation as choose_reduce_scatter
 from collectives.matmul_reduce_scatter import forward as reduce_scatter_forward
-from pipelines import TuningConfig, matmul, vary_like
+from core.varying import cotangent_like
+from pipelines import TuningConfig, matmul
 
 _log = logging.getLogger("collectives")
 
@@ -137,7 +138,7 @@ def _differentiable_all_gather_matmul(axis_name, num_devices: int, choice: Choic
     # Gathered again rather than saved by the forward pass: see the module docstring.
     gathered = lax.all_gather(lhs, axis_name, axis=0, tiled=True)
     d_rhs = _local_product(choice)(gathered, g, transpose_lhs=True, out_dtype=rhs.dtype)
-    return vary_like(d_lhs, lhs), vary_like(d_rhs, rhs)
+    return cotangent_like(d_lhs, lhs), cotangent_like(d_rhs, rhs)
 
   differentiable.defvjp(forward, backward)
   return differentiable
@@ -173,7 +174,8 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
 
   Returns:
     (M / D, N) of `dtype`: row block d of the sum over devices of
-    `lhs_i @ rhs_i`, accumulated in float32.
+    `lhs_i @ rhs_i`, accumulated in float32 (the Mosaic ring sends its
+    partial sums in `dtype` on 2 devices, in float32 on more).
 
   Raises:
     ValueError: M not divisible by D, or operands `pipelines.matmul` refuses.
@@ -209,7 +211,7 @@ def _differentiable_matmul_reduce_scatter(axis_name, num_devices: int, choice: C
                               implementation=_REDUCE_SCATTER_TO_ALL_GATHER[requested])
     gathered = lax.all_gather(g, axis_name, axis=0, tiled=True)
     d_rhs = _local_product(choice)(lhs, gathered, transpose_lhs=True, out_dtype=rhs.dtype)
-    return vary_like(d_lhs, lhs), vary_like(d_rhs, rhs)
+    return cotangent_like(d_lhs, lhs), cotangent_like(d_rhs, rhs)
 
   differentiable.defvjp(forward, backward)
   return differentiable

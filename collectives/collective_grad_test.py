@@ -21,7 +21,13 @@ from jax import lax
 
 import collectives
 import simulator
-from collectives import portable, ring_matmul_sm90, sharding, topology
+from collectives import (
+  portable,
+  ring_matmul_sm90,
+  ring_reduce_scatter_sm90,
+  sharding,
+  topology,
+)
 from core import testing
 from pipelines import MatmulDimension, TuningConfig
 
@@ -157,6 +163,48 @@ class CollectiveGradTest(testing.KernelTestCase):
     self.check_all_gather_matmul(2, implementation, seed=400, dtype=jnp.bfloat16)
     self.check_matmul_reduce_scatter(2, implementation, seed=410, dtype=jnp.bfloat16)
     self.check_all_gather_matmul(4, implementation, seed=420, dtype=jnp.float16)
+
+  @parameterized.parameters("all_gather", "reduce_scatter")
+  def test_mosaic_ring_kernels_forward_and_backward(self, op):
+    """The real ring kernels, not stand-ins, in a type-checked shard_map: simulated
+    devices on CPU, with race detection. The backward of each op runs the other
+    op's kernel."""
+    if self.backend == testing.INTERPRET:
+      self.enter_context(mock.patch.object(topology, "mosaic_ring_support",
+                                           return_value=SUPPORTED))
+      self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=120))
+    if op == "all_gather":
+      self.check_all_gather_matmul(2, "mosaic", seed=500, m_shard=128, k=128, n_shard=128)
+    else:
+      self.check_matmul_reduce_scatter(2, "mosaic", seed=510, m=256, k_shard=128, n=128)
+
+  @parameterized.parameters("all_gather", "reduce_scatter")
+  def test_mosaic_kernel_results_vary_over_the_ring_axis(self, op):
+    """The real ring kernels' results are typed as varying over the ring axis inside a
+    type-checked shard_map (the stand-ins above are XLA, typed by JAX). Typed as
+    the same on every device, as Mosaic GPU types every kernel result, they made
+    `jax.grad` sum the devices' cotangents: relative error 1.0 on 2 GPUs."""
+    mesh = sharding.ring_mesh(jax.device_count())
+    d = mesh.size
+    if op == "all_gather":
+      kernel, layout = ring_matmul_sm90.all_gather_lhs_matmul, sharding.ALL_GATHER
+      lhs, rhs = (d * 128, 128), (128, d * 128)
+    else:
+      kernel, layout = ring_reduce_scatter_sm90.ring_matmul_reduce_scatter, sharding.REDUCE_SCATTER
+      lhs, rhs = (d * 128, d * 128), (d * 128, 128)
+    seen = []
+
+    def per_device(a, b):
+      out = kernel(a, b, sharding.RING_AXIS, config=KERNEL_CONFIG)
+      seen.append(jax.typeof(out).manual_axis_type.varying)
+      return out
+
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(layout.lhs, layout.rhs),
+                        out_specs=layout.out)
+    jax.eval_shape(run, *sharding.abstract_operands(jax.ShapeDtypeStruct(lhs, jnp.bfloat16),
+                                                    jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
+                                                    mesh, layout))
+    self.assertEqual(seen, [frozenset({sharding.RING_AXIS})])
 
 
 if __name__ == "__main__":

@@ -181,6 +181,7 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
       ),
       num_blocks=num_blocks,
       name="ring_all_gather_matmul",
+      collective_axes=(axis_name,),
   )
   out, _ = kernel(lhs, rhs)
   return out

@@ -68,6 +68,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from collectives import reduce_scatter_schedule as schedule
 from collectives import ring_config, topology
 from core import device_facts, is_interpreting
+from core.varying import vary_over, varying_axes
 from pipelines import (
     WG_AXIS,
     TuningConfig,
@@ -229,7 +230,8 @@ def ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
                      f"devices of mesh axis {axis_name!r}: each gets M / D rows")
   block = dataclasses.replace(problem, m=problem.m // num_devices)
   if problem.is_empty:
-    return jnp.zeros((block.m, block.n), out_dtype)
+    return vary_over(jnp.zeros((block.m, block.n), out_dtype),
+                     varying_axes((lhs, rhs)) | {axis_name})
   check_reduce_scatter_config(config, block, out_dtype)
   if not interpreting:
     support = topology.mosaic_ring_support(num_devices)
@@ -248,6 +250,7 @@ def ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
       ),
       num_blocks=num_blocks,
       name="ring_matmul_reduce_scatter",
+      collective_axes=(axis_name,),
   )
   out, _ = kernel(lhs, rhs)
   return out

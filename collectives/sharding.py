@@ -78,6 +78,5 @@ def ring_matmul_fn(fn: Callable, mesh: jax.sharding.Mesh, *, layout: Layout = AL
   def per_device(lhs, rhs):
     return fn(lhs, rhs, RING_AXIS, **kwargs)
 
-  # The Mosaic kernel's output is not marked as varying over the axis.
   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(layout.lhs, layout.rhs),
-                               out_specs=layout.out, check_vma=False))
+                               out_specs=layout.out))

@@ -106,10 +106,8 @@ def xla_block(x, w1, b1, w2):
 
 def make_train_step(block, mesh, learning_rate: float):
   """Jitted (params, x, target) -> (loss, grads, updated params) of `block` under shard_map."""
-  # Unchecked varying types, as for every collective matmul on GPUs
-  # (`sharding.ring_matmul_fn`): the Mosaic kernels' outputs carry none.
   forward = jax.shard_map(block, mesh=mesh, in_specs=(X_SPEC, W1_SPEC, B1_SPEC, W2_SPEC),
-                          out_specs=X_SPEC, check_vma=False)
+                          out_specs=X_SPEC)
 
   def loss_fn(params, x, target):
     return jnp.mean((forward(x, *params) - target) ** 2)

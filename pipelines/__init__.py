@@ -28,11 +28,10 @@ from pipelines.matmul import matmul
 from pipelines.pallas_call_matmul import pallas_call_matmul
 from pipelines.persistent_sm90 import SM_AXIS, WG_AXIS
 from pipelines.reference import matmul_reference
-from pipelines.varying import vary_like
 
 __all__ = [
     "SM_AXIS", "WG_AXIS", "Epilogue", "MatmulDimension", "PipelineCallback", "PipelinedConfig",
     "Schedule", "TuningConfig", "check_ws_config", "default_config", "emit_cooperative_matmul",
     "matmul", "matmul_reference", "pallas_call_matmul", "persistent_kernel", "pipelined_matmul",
-    "vary_like", "ws_matmul", "ws_smem_budget",
+    "ws_matmul", "ws_smem_budget",
 ]

@@ -27,19 +27,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import SmemBudget, compiler_params, device_facts, interpret_params
 from core.memory import swizzle_elems
+from core.varying import vary_over, varying_axes, varying_kernel
 from pipelines import operands
 from pipelines.config import (
-    NUM_COMPUTE_WGS,
-    PipelinedConfig,
-    Schedule,
-    TuningConfig,
-    check_swizzle,
-    operand_tile_minor_dims,
+  NUM_COMPUTE_WGS,
+  PipelinedConfig,
+  Schedule,
+  TuningConfig,
+  check_swizzle,
+  operand_tile_minor_dims,
 )
 from pipelines.cooperative_matmul_sm90 import (
-    PIPELINE_BUFFER_NAMES,
-    cooperative_scratch,
-    emit_cooperative_matmul,
+  PIPELINE_BUFFER_NAMES,
+  cooperative_scratch,
+  emit_cooperative_matmul,
 )
 from pipelines.epilogue import BIAS_DTYPE, Epilogue
 from pipelines.persistent_sm90 import SM_AXIS, WG_AXIS
@@ -86,10 +87,14 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                    delay_release=delay_release).check(what=repr(config))
 
 
-def persistent_kernel(body, *, out_type, num_blocks: int, name: str):
+def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_axes=()):
   """`plgpu.kernel` for a warp-specialized body: `num_blocks` persistent blocks on
-  `SM_AXIS`, two compute warpgroups and a memory warpgroup on `WG_AXIS`."""
-  return plgpu.kernel(
+  `SM_AXIS`, two compute warpgroups and a memory warpgroup on `WG_AXIS`.
+
+  Inside `jax.shard_map` its results vary over the mesh axes its arguments
+  vary over, and over `collective_axes` (see `core.varying`).
+  """
+  return varying_kernel(plgpu.kernel(
       body,
       out_type=out_type,
       grid=(num_blocks,),
@@ -99,7 +104,7 @@ def persistent_kernel(body, *, out_type, num_blocks: int, name: str):
       compiler_params=compiler_params(),
       interpret=interpret_params(),
       kernel_name=name,
-  )
+  ), collective_axes=collective_axes)
 
 
 def _check_call(lhs, rhs, bias, out_dtype, layout: operands.OperandLayout = operands.NN):
@@ -113,12 +118,13 @@ def _check_call(lhs, rhs, bias, out_dtype, layout: operands.OperandLayout = oper
   return problem, out_dtype, bias
 
 
-def empty_result(problem: operands.MatmulProblem, out_dtype, bias=None,
+def empty_result(problem: operands.MatmulProblem, out_dtype, operands_in: tuple, bias=None,
                  epilogue: Epilogue = Epilogue()) -> jax.Array:
   """Step 3: `jnp.dot`'s answer where M, N or K is 0, with no kernel (the
-  epilogue of zeros, which has no elements unless only K is 0)."""
-  return epilogue.apply_to_sum(jnp.zeros((problem.m, problem.n), jnp.float32),
-                               bias).astype(out_dtype)
+  epilogue of zeros, which has no elements unless only K is 0), typed as
+  varying like the kernel's result would be (`operands_in`: its arguments)."""
+  zeros = vary_over(jnp.zeros((problem.m, problem.n), jnp.float32), varying_axes(operands_in))
+  return epilogue.apply_to_sum(zeros, bias).astype(out_dtype)
 
 
 def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
@@ -154,7 +160,7 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   check_ws_config(config, operands.pad_k(problem, k_multiple), out_dtype,
                   has_bias=bias is not None)
   if problem.is_empty:
-    return empty_result(problem, out_dtype, bias, epilogue)
+    return empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
   store_dtype = config.store_dtype(out_dtype)
   lhs_minor, rhs_minor = operand_tile_minor_dims(config, transpose_lhs=layout.transpose_lhs,
                                                  transpose_rhs=layout.transpose_rhs)
@@ -209,7 +215,7 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
   operands.check_k_tiles(problem, config.tile_k)
   check_swizzle(config, problem.dtype)
   if problem.is_empty:
-    return empty_result(problem, out_dtype)
+    return empty_result(problem, out_dtype, (lhs, rhs))
   # emit_pipeline allocates its slots itself, so this budget is a model
   # (tested against Mosaic GPU's own allocation in smem_budget_test).
   config.smem_budget(problem.k, problem.dtype, out_dtype).check(what=repr(config))
@@ -222,7 +228,7 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
   lhs, rhs, _ = operands.pad_operands(lhs, rhs, None, problem, m=padded_m, k=problem.k,
                                       n=padded_n)
   m, n = problem.m, problem.n
-  kernel = plgpu.kernel(
+  kernel = varying_kernel(plgpu.kernel(
       functools.partial(emit_pipelined_matmul, config=config),
       out_type=jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),
       grid=(pl.cdiv(padded_m, config.tile_m), pl.cdiv(padded_n, config.tile_n)),
@@ -230,6 +236,6 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
       compiler_params=compiler_params(),
       interpret=interpret_params(),
       kernel_name="pipelined_matmul",
-  )
+  ))
   out = kernel(lhs, rhs)
   return out if out.shape == (m, n) else out[:m, :n]

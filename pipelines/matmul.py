@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import custom_batching
 
+from core.varying import cotangent_like
 from pipelines import kernel_call, operands, tuning_cache
 from pipelines.config import TuningConfig
 from pipelines.epilogue import Epilogue
 from pipelines.heuristic import default_config
-from pipelines.varying import vary_like
 
 CACHE_MISS_MODES = ("heuristic", "tune", "error")
 
@@ -127,7 +127,7 @@ def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
     d_bias = None if bias is None else g.sum(axis=0).astype(bias.dtype)
     g = g.astype(lhs.dtype)
     cotangents = (*_operand_cotangents(lhs, rhs, g, layout), d_bias)
-    return tuple(None if ct is None else vary_like(ct, primal)
+    return tuple(None if ct is None else cotangent_like(ct, primal)
                  for ct, primal in zip(cotangents, (lhs, rhs, bias), strict=True))
 
   differentiable.defvjp(forward, backward)

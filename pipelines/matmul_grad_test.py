@@ -13,11 +13,28 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+import simulator
 from core import interpret, testing
-from pipelines import Epilogue, matmul, matmul_reference
+from pipelines import (
+  Epilogue,
+  Schedule,
+  TuningConfig,
+  matmul,
+  matmul_reference,
+  pallas_call_matmul,
+  pipelined_matmul,
+  ws_matmul,
+)
 from pipelines import matmul_test_base as base
 
+# XLA sizes its CPU thread pool when jax starts the CPU backend, which no
+# import above does: size it for two simulated devices' kernels at once.
+simulator.reserve_intra_op_threads()
+
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
+SPLIT_K = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, k_splits=2)
+PINGPONG = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                        schedule=Schedule.PINGPONG)
 
 
 def loss_and_reference(*, activation, has_bias, out_dtype, layout, weights):
@@ -140,21 +157,54 @@ class MatmulGradTest(testing.KernelTestCase):
           self.assert_close(g, w, dtype=jnp.bfloat16)
 
   def test_inside_shard_map(self):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    """Rows of the LHS sharded over two devices: each device's cotangent is its own. A
+    kernel result typed as the same on every device made JAX sum the devices'
+    cotangents (relative error 1.0). One device where the job has one."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
     spec = jax.sharding.PartitionSpec
+    if self.backend == testing.INTERPRET:
+      # The plain interpreter runs one device's kernels at a time.
+      self.enter_context(simulator.collective_interpret_mode(wait_timeout_s=60))
     lhs, rhs = base.operands(50, 128, 64, 64, jnp.bfloat16)
+    weights = testing.random_array(52, (128, 64), jnp.float32)
 
     def loss(a, b):
       out = jax.shard_map(functools.partial(matmul, out_dtype=jnp.float32), mesh=mesh,
                           in_specs=(spec("x", None), spec()), out_specs=spec("x", None))(a, b)
-      return jnp.sum(out ** 2)
+      return jnp.sum(out * weights)
 
     got = self.run_kernel(jax.jit(jax.grad(loss, argnums=(0, 1))), lhs, rhs)
-    want = jax.grad(lambda a, b: jnp.sum(matmul_reference(a, b) ** 2), argnums=(0, 1))(
+    want = jax.grad(lambda a, b: jnp.sum(matmul_reference(a, b) * weights), argnums=(0, 1))(
         lhs.astype(jnp.float32), rhs.astype(jnp.float32))
     for g, w in zip(got, want, strict=True):
       self.assert_close(g, w, dtype=jnp.bfloat16)
 
+  @parameterized.named_parameters(
+      ("matmul", matmul),
+      ("matmul_transposed", functools.partial(matmul, transpose_lhs=True, transpose_rhs=True)),
+      ("ws_matmul_split_k", functools.partial(ws_matmul, config=SPLIT_K)),
+      ("ws_matmul_pingpong", functools.partial(ws_matmul, config=PINGPONG)),
+      ("pipelined_matmul", pipelined_matmul),
+      ("pallas_call_matmul", pallas_call_matmul),
+      ("empty_k", matmul, 0),
+  )
+  def test_results_vary_over_the_axes_of_their_operands(self, fn, k=128):
+    """Inside shard_map every kernel result is typed as varying where an operand
+    varies (`core.varying`), which is what makes the gradients above right."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    spec = jax.sharding.PartitionSpec
+    seen = []
+
+    def per_device(a, b):
+      out = fn(a, b)
+      seen.append(jax.typeof(out).manual_axis_type.varying)
+      return out
+
+    abstract = jax.ShapeDtypeStruct((128, k), jnp.float16)
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=(spec("x", None), spec()),
+                        out_specs=spec("x", None))
+    jax.eval_shape(run, abstract, abstract.update(shape=(k, 128)))
+    self.assertEqual(seen, [frozenset({"x"})])
 
 if __name__ == "__main__":
   absltest.main()

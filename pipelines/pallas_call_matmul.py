@@ -39,6 +39,7 @@ from core import (
   smem,
   tile_transforms,
 )
+from core.varying import varying_axes, varying_kernel
 from pipelines import operands
 from pipelines.config import PipelinedConfig, check_swizzle
 from pipelines.kernel_call import empty_result
@@ -148,7 +149,7 @@ def pallas_call_matmul(lhs: jax.Array, rhs: jax.Array, *,
                      f"tile_m={tile_m} and tile_n={tile_n} on the pallas_call path")
   k_steps = operands.check_k_tiles(problem, tile_k)
   if problem.is_empty:
-    return empty_result(problem, out_dtype)
+    return empty_result(problem, out_dtype, (lhs, rhs))
   config = dataclasses.replace(config, tile_k=tile_k)
   # Checked in interpret mode too, so that CPU runs refuse what a GPU would.
   check_swizzle(config, problem.dtype)
@@ -164,13 +165,17 @@ def pallas_call_matmul(lhs: jax.Array, rhs: jax.Array, *,
     return plgpu.BlockSpec(shape, index_map, transforms=transforms,
                            delay_release=delay_release)
 
-  return lowering.pallas_call(
+  # `pl.pallas_call` takes the result's mesh-axis type (see `core.varying`)
+  # and insists on one inside a type-checked shard_map in interpret mode; the
+  # Mosaic GPU path drops it, as `plgpu.kernel` does, hence `varying_kernel`.
+  varying = jax.sharding.ManualAxisType(varying=varying_axes((lhs, rhs)))
+  return varying_kernel(lowering.pallas_call(
       functools.partial(_accumulating_kernel, accumulate=lowering.accumulate),
-      out_shape=jax.ShapeDtypeStruct((problem.m, problem.n), out_dtype),
+      out_shape=jax.ShapeDtypeStruct((problem.m, problem.n), out_dtype, manual_axis_type=varying),
       grid=(problem.m // tile_m, problem.n // tile_n, k_steps),
       in_specs=[spec((tile_m, tile_k), lambda i, j, k: (i, k), tile_k, problem.dtype, delay),
                 spec((tile_k, tile_n), lambda i, j, k: (k, j), tile_n, problem.dtype, delay)],
       out_specs=spec((tile_m, tile_n), lambda i, j, k: (i, j), tile_n, out_dtype),
       scratch_shapes=[smem((tile_m, tile_n), jnp.float32)],
       compiler_params=compiler_params(dimension_semantics=semantics, max_concurrent_steps=steps),
-  )(lhs, rhs)
+  ))(lhs, rhs)

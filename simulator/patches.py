@@ -36,6 +36,7 @@ import threading
 import jax
 import jax.numpy as jnp
 from jax._src import callback
+from jax._src import config as jax_config
 from jax._src.pallas.mosaic.interpret import thread_map
 from jax._src.pallas.mosaic.interpret import utils as interpret_utils
 from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core
@@ -154,7 +155,11 @@ def _wrap_interpret_pallas_call(original):
     previous = getattr(_tracing, "num_devices", 1)
     _tracing.num_devices = num_devices
     try:
-      return original(*args, jaxpr=jaxpr, mesh=mesh, **kwargs)
+      # The kernel body was traced without mesh-axis types (as `plgpu.kernel`
+      # does); re-binding its primitives under a type-checked `shard_map`
+      # would fail on `lax.axis_index` (varying) meeting a constant.
+      with jax_config._check_vma(False):
+        return original(*args, jaxpr=jaxpr, mesh=mesh, **kwargs)
     finally:
       _tracing.num_devices = previous
   return interpret_pallas_call
