@@ -12,10 +12,11 @@ new sum with TMA straight into the ring predecessor's scratch slot (a
 work on the next tile. At the last step the block is the device's own and
 its sum is final: it is cast and stored to the output.
 
-Partials in flight are float32 (`PARTIAL_DTYPE`). Measured in the simulator
-against a float32 reference: K_shard = 2048, a 128 x 64 output block per
-device, operands and output of one dtype, relative error ||out - ref|| /
-||ref|| with float32 partials vs partials in the output dtype:
+The partial sums in flight are in the output dtype on 2 devices and in
+float32 on more (`partial_dtype`). Measured in the simulator against a
+float32 reference: K_shard = 2048, a 128 x 64 output block per device,
+operands and output of one dtype, relative error ||out - ref|| / ||ref||
+with float32 partials vs partials in the output dtype:
 
   D   bfloat16: float32 / bfloat16 partials   float16: float32 / float16 partials
   2             1.65e-3 / 2.02e-3                      2.03e-4 / 2.48e-4
@@ -26,12 +27,14 @@ With float32 partials the only rounding is the final cast, so the error is
 that of a plain matmul whatever D. Rounding every running sum to the output
 dtype adds a rounding per hop: the error grows with D (2.1x at D = 8), and
 at D = 8 in bfloat16 9 of the 65536 elements already fall outside the
-element-wise bound the tests hold every kernel to (`core.numerics`). The
-price of float32 is twice the NVLink bytes per step: 4 per output element
-against its 2 * K_shard flops, so the stores hide under the wgmmas where
-K_shard exceeds about 2 x (tensor-core rate / NVLink bandwidth per
-direction), some 4400 on an H200 (2200 with 16-bit partials): an estimate,
-not yet measured on GPUs.
+element-wise bound the tests hold every kernel to (`core.numerics`). At
+D = 2 one partial travels, rounded once (1.2x the error, no element outside
+the bound), and the 16-bit sums halve the NVLink bytes: on 2 H200s at the
+benchmark's size (per device lhs (2048, 4096), rhs (4096, 4096), float16)
+the ring took 148 us with float32 partials and 126 us with float16 ones
+(NCCL reduce-scatter + cuBLAS: 191 us; lower bound 95 us). Most of a
+step's NVLink stores are not hidden under the next step's K loop: see
+PERFORMANCE.md for the measurements and what was tried.
 
 Synchronization, per step s < D - 1 (a send):
   * every compute warpgroup of every block stores its tiles of the sum to
@@ -82,7 +85,17 @@ from pipelines.operands import MatmulProblem
 
 # The dtype of the running sums that travel between devices (see the module
 # docstring for the measurement behind it).
-PARTIAL_DTYPE = jnp.dtype(jnp.float32)
+FLOAT32_PARTIALS = jnp.dtype(jnp.float32)
+
+
+def partial_dtype(num_devices: int, out_dtype) -> jnp.dtype:
+  """The dtype of the running sums that travel between devices (see the module docstring).
+
+  The output dtype on 2 devices, where the one partial that travels is
+  rounded once; float32 on more, where a 16-bit sum would be rounded at
+  every hop.
+  """
+  return jnp.dtype(out_dtype) if num_devices == 2 else FLOAT32_PARTIALS
 
 
 def check_reduce_scatter_config(config: TuningConfig, block: MatmulProblem, out_dtype) -> None:
@@ -91,13 +104,14 @@ def check_reduce_scatter_config(config: TuningConfig, block: MatmulProblem, out_
   `block` is (M / D, K_shard, N): the CTA tile must divide its M and N (every
   tile is stored whole, to a peer or the output, and its addend is loaded
   unmasked), and `config` must pass `check_ws_config` with the epilogue
-  staging of both dtypes the kernel stores: `PARTIAL_DTYPE` and `out_dtype`.
+  staging of every dtype the kernel may store: `out_dtype` and float32 (the
+  partials on more than 2 devices), so that a config holds for any D.
   """
   for name, size, tile in (("M / D (lhs.shape[0] / devices)", block.m, config.cta_tile_m),
                            ("N (rhs.shape[1])", block.n, config.cta_tile_n)):
     if size % tile:
       raise ValueError(f"{name}={size} must be a multiple of the CTA tile {tile} of {config}")
-  for stored in dict.fromkeys((jnp.dtype(out_dtype), PARTIAL_DTYPE)):
+  for stored in dict.fromkeys((jnp.dtype(out_dtype), FLOAT32_PARTIALS)):
     check_ws_config(config, block, stored)
 
 
@@ -219,7 +233,8 @@ def ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
 
   Returns:
     (M / D, N) of `dtype`: row block d (this device's index on the axis) of
-    `sum_i lhs_i @ rhs_i`, accumulated and summed in float32.
+    `sum_i lhs_i @ rhs_i`, accumulated in float32; the partial sums travel
+    in `partial_dtype(D, dtype)`.
   """
   interpreting = is_interpreting()
   # Simulated devices (interpret mode) may be a part of the job's CPU devices.
@@ -246,7 +261,7 @@ def ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
           jax.ShapeDtypeStruct((block.m, block.n), out_dtype),
           # Where the D - 1 running sums sent by the ring successor land.
           jax.ShapeDtypeStruct((max(schedule.num_scratch_slots(num_devices), 1), block.m,
-                                block.n), PARTIAL_DTYPE),
+                                block.n), partial_dtype(num_devices, out_dtype)),
       ),
       num_blocks=num_blocks,
       name="ring_matmul_reduce_scatter",

@@ -76,6 +76,10 @@ class LoweringAndValidationTest(parameterized.TestCase):
             jax, "device_count", return_value=num_devices):
       text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     self.assert_reduces_inside_one_kernel(text)
+    # The running sums travel in float16 on 2 devices, in float32 on more
+    # (`partial_dtype`): the scratch slots are the kernel's second result.
+    slots, partial = (1, "f16") if num_devices == 2 else (num_devices - 1, "f32")
+    self.assertIn(f"tensor<{slots}x256x512x{partial}>", text)
 
   def test_refuses_to_run_where_peers_are_unreachable(self):
     if jax.default_backend() == "gpu":
