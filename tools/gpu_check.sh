@@ -23,8 +23,16 @@ step=$1
 shift
 case "$step" in
   tests)
+    # The examples' test files each run in their own process: the examples
+    # define absl flags of the same names, which one process cannot hold twice.
+    status=0
     $PY -m pytest -q -rs -o python_files='*_test.py' -p no:cacheprovider \
-      core pipelines collectives tools "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+      core pipelines collectives tools "$@" 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+    for test_file in examples/*_test.py; do
+      $PY -m pytest -q -rs -p no:cacheprovider "$test_file" "$@" 2>&1 \
+        | tee -a "$OUT/gpu_tests.log" || status=1
+    done
+    exit $status
     ;;
   tune)
     $PY tools/autotune_matmul.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/autotune.log"
