@@ -114,7 +114,8 @@ def shutdown() -> None:
   A GPU process's runtime keeps watching the coordination service (which rank
   0 hosts) until the process ends, and logs a gRPC CANCELLED or "connection
   refused" error when the service stops first. So rank 0 stops the service
-  only after its peers have exited (up to `PEER_EXIT_WAIT_S`).
+  only after its peers have exited (up to `PEER_EXIT_WAIT_S`), with warnings
+  off for its own client's watch of the service, which outlives it.
   """
   import jax
 
@@ -126,6 +127,13 @@ def shutdown() -> None:
   jax.distributed.shutdown()
   if service is not None:
     _wait_for_peers_to_exit(PEER_EXIT_WAIT_S)
+    # Rank 0's own GPU client watches the service's tasks for as long as the
+    # client lives, and JAX keeps it alive to the end of the process (every
+    # device object holds it; clearing the backends does not free it). So
+    # stopping the service makes that watch log a warning, "WatchTasksAsync
+    # failed ... UNAVAILABLE: Cancelling all calls", about a job that has
+    # ended in order. Only warnings are silenced, and only from here on.
+    jax.config.update("jax_logging_level", "ERROR")
     service.shutdown()
 
 

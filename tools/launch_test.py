@@ -139,6 +139,26 @@ class LaunchTest(parameterized.TestCase):
     initialize.assert_called_once()
     register.assert_called_once_with(launch.shutdown)
 
+  def test_rank_0_stops_the_service_last(self):
+    # The order a clean GPU run needs to end without gRPC errors: the client
+    # leaves, the peers exit, warnings go off (rank 0's own GPU client still
+    # watches the service and would log its stop), and only then the service
+    # stops.
+    import jax
+
+    from core import jax_private
+
+    calls = mock.Mock()
+    service = calls.service
+    with mock.patch.object(jax_private, "detach_coordination_service", return_value=service), \
+        mock.patch.object(jax.distributed, "shutdown", calls.client_shutdown), \
+        mock.patch.object(launch, "_wait_for_peers_to_exit", calls.wait_for_peers), \
+        mock.patch.object(jax.config, "update", calls.config_update):
+      launch.shutdown()
+    self.assertEqual([name for name, *_ in calls.mock_calls],
+                     ["client_shutdown", "wait_for_peers", "config_update", "service.shutdown"])
+    calls.config_update.assert_called_once_with("jax_logging_level", "ERROR")
+
 
 class CommandTest(absltest.TestCase):
   """What the launcher runs: the pinned interpreter for `python`, with the launcher's imports."""
