@@ -67,24 +67,52 @@ def swizzle_elems(minor_dim: int, dtype, *, what: str = "tile") -> int:
   return swizzle_bytes(minor_dim, dtype, what=what) // jnp.dtype(dtype).itemsize
 
 
-def tile_transforms(minor_dim: int, dtype, *, what: str = "tile") -> tuple:
+def tma_swizzle(tile_minor_dims, array_minor_dims, dtype) -> int:
+  """The widest swizzle (bytes) for SMEM tiles that TMA copies to or from GMEM arrays.
+
+  Mosaic GPU's TMA tiles a GMEM array exactly as its SMEM tile, so the
+  swizzle's row segment must divide both the tiles' minor dimensions and the
+  whole arrays' (`tile_minor_dims`, `array_minor_dims`, in elements of
+  `dtype`). The widest swizzle is the fastest; a narrower one lets an array
+  whose minor dimension is off 128 bytes be read in place rather than copied
+  into a padded one. Raises `ValueError` where even 32 bytes do not divide.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  dims = (*tile_minor_dims, *array_minor_dims)
+  for swizzle in SWIZZLE_BYTES:
+    if all(d * itemsize % swizzle == 0 for d in dims):
+      return swizzle
+  raise ValueError(
+      f"no swizzle fits minor dimensions {dims} of {jnp.dtype(dtype).name}: TMA tiles need "
+      f"multiples of {min(SWIZZLE_BYTES) // itemsize} elements ({min(SWIZZLE_BYTES)} bytes)")
+
+
+def tile_transforms(minor_dim: int, dtype, *, what: str = "tile",
+                    swizzle: int | None = None) -> tuple:
   """The (tiling, swizzle) transforms for an SMEM tile read by TMA and wgmma.
 
   Args:
     minor_dim: elements along the tile's minor (contiguous) dimension.
     dtype: element type of the tile.
     what: name of the tile for error messages.
+    swizzle: the swizzle in bytes (`tma_swizzle`); by default the widest that
+      divides a tile row.
   """
-  swizzle = swizzle_bytes(minor_dim, dtype, what=what)
+  if swizzle is None:
+    swizzle = swizzle_bytes(minor_dim, dtype, what=what)
+  elif swizzle not in SWIZZLE_BYTES or minor_dim * jnp.dtype(dtype).itemsize % swizzle:
+    raise ValueError(f"{what}: swizzle={swizzle} must be one of {SWIZZLE_BYTES} and divide "
+                     f"a row of {minor_dim} x {jnp.dtype(dtype).name}")
   return (plgpu.TilingTransform((TILE_ROWS, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
 
 
-def smem(shape: tuple[int, ...], dtype, *, swizzled: bool = False):
-  """An SMEM allocation; `swizzled=True` lays it out for TMA + wgmma."""
+def smem(shape: tuple[int, ...], dtype, *, swizzled: bool = False, swizzle: int | None = None):
+  """An SMEM allocation; `swizzled=True` lays it out for TMA + wgmma (with
+  `swizzle` bytes, by default the widest a row allows)."""
   if any(d <= 0 for d in shape):
     raise ValueError(f"SMEM shape must be positive, got {shape}")
-  transforms = tile_transforms(shape[-1], dtype) if swizzled else ()
+  transforms = tile_transforms(shape[-1], dtype, swizzle=swizzle) if swizzled else ()
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 

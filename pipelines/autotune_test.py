@@ -151,7 +151,8 @@ class AutotuneTest(absltest.TestCase):
     self.assertIn(f"the winner was {GOOD} at 2.0 us", logs.output[0])
 
   def test_k_that_tile_k_does_not_divide_is_tunable(self):
-    # The wrapper zero-pads K to a multiple of tile_k * k_splits.
+    # A last partial K step is read in place; a split K is zero-padded to
+    # whole steps of each range.
     split = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
                          epi_tile_m=64, epi_tile_n=32, k_splits=2)
     for k in (16, 32, 48, 80, 96, 144):

@@ -13,7 +13,7 @@ import enum
 
 import jax.numpy as jnp
 
-from core import PipelineOptions, SmemBudget, SmemBuffer, swizzle_bytes
+from core import PipelineOptions, SmemBudget, SmemBuffer, swizzle_bytes, tma_swizzle
 from core.compiler import MAX_BARRIERS_PER_ARRAY
 from core.device import (
     WARPGROUP_THREADS,
@@ -272,6 +272,16 @@ def operand_tile_minor_dims(config, *, transpose_lhs: bool = False,
   cta_tile_n = getattr(config, "cta_tile_n", config.tile_n)
   return (cta_tile_m if transpose_lhs else config.tile_k,
           config.tile_k if transpose_rhs else cta_tile_n)
+
+
+def operand_swizzle(config, lhs_gmem, rhs_gmem, *, transpose_lhs: bool = False,
+                    transpose_rhs: bool = False) -> int:
+  """The swizzle (bytes) of both operands' SMEM tiles: the widest that the
+  tiles and the stored arrays' minor dimensions allow (`core.tma_swizzle`;
+  wgmma reads both operands with one swizzle)."""
+  tile_minor_dims = operand_tile_minor_dims(config, transpose_lhs=transpose_lhs,
+                                            transpose_rhs=transpose_rhs)
+  return tma_swizzle(tile_minor_dims, (lhs_gmem.shape[-1], rhs_gmem.shape[-1]), lhs_gmem.dtype)
 
 
 def check_swizzle(config, dtype, *, transpose_lhs: bool = False,

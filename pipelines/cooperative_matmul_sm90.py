@@ -30,8 +30,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import accumulator, barrier, tile_transforms
-from pipelines.config import NUM_COMPUTE_WGS, MatmulDimension, Schedule, TuningConfig
-from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
+from pipelines.config import (
+  NUM_COMPUTE_WGS,
+  MatmulDimension,
+  Schedule,
+  TuningConfig,
+  operand_swizzle,
+)
+from pipelines.epilogue import Epilogue, epilogue_scratch, output_swizzle, store_epilogue
 from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS, for_each_work_item
 
@@ -43,12 +49,13 @@ PIPELINE_BUFFER_NAMES = ("lhs_smem", "rhs_smem")
 
 
 def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: int,
-                      layout: OperandLayout, step, compute_context):
+                      layout: OperandLayout, step, compute_context, swizzle: int | None):
   """The memory warpgroup's pipeline of LHS and RHS tiles, as the operands are stored:
-  (cta_m, tile_k) or (tile_k, cta_m), and (tile_k, cta_n) or (cta_n, tile_k)."""
+  (cta_m, tile_k) or (tile_k, cta_m), and (tile_k, cta_n) or (cta_n, tile_k),
+  both with `swizzle` (`config.operand_swizzle`)."""
   def spec(block_shape, index_map):
     return plgpu.BlockSpec(block_shape, index_map,
-                           transforms=tile_transforms(block_shape[-1], dtype),
+                           transforms=tile_transforms(block_shape[-1], dtype, swizzle=swizzle),
                            delay_release=delay_release)
   if layout.transpose_lhs:
     lhs_spec = spec((config.tile_k, config.cta_tile_m), lambda kk: (kk, 0))
@@ -71,15 +78,18 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: 
 
 
 def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool,
-                        delay_release: int = 0, layout: OperandLayout = NN) -> dict:
+                        delay_release: int = 0, layout: OperandLayout = NN,
+                        swizzle: int | None = None, out_swizzle: int | None = None) -> dict:
   """The SMEM `emit_cooperative_matmul` allocates for K = `k`, by name.
 
   The kernel allocates exactly this (`pl.run_scoped(**...)`), and
   `kernel_call.ws_smem_budget` sums it, so the budget cannot drift from the
   allocation. "pipeline_allocs" is the operand pipeline's own declaration
   (its slots and barriers, from `get_allocations`, which needs only shapes).
+  `swizzle` and `out_swizzle` (bytes) lay out the operand and output tiles;
+  by default the widest their rows allow (sizes do not depend on them).
   """
-  k_steps = k // config.k_splits // config.tile_k
+  k_steps = pl.cdiv(k // config.k_splits, config.tile_k)
 
   def ignore(*_, **__):
     return None
@@ -88,9 +98,9 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
             jax.ShapeDtypeStruct(layout.rhs_shape(k, config.cta_tile_n), dtype))
   scratch = dict(
       pipeline_allocs=_operand_pipeline(config, dtype, k_steps, delay_release, layout, ignore,
-                                        ignore).get_allocations(*shapes),
+                                        ignore, swizzle).get_allocations(*shapes),
       **epilogue_scratch(config, config.store_dtype(out_dtype),
-                         has_bias=has_bias and config.fuses_epilogue),
+                         has_bias=has_bias and config.fuses_epilogue, swizzle=out_swizzle),
   )
   if delay_release:
     # The pipeline never waits for the release of a tile's last
@@ -109,11 +119,14 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
-  (grid axis `SM_AXIS`, three threads on `WG_AXIS`). All shapes are static;
-  M and N may be ragged (TMA masks the edge tiles) but M must be a multiple
-  of 8 and N of the swizzle width and at least the CTA tile's
-  (`operands.pad_for_tma`); K a multiple of `config.tile_k` times
-  `config.k_splits`. `kernel_call.check_ws_config` checks the config.
+  (grid axis `SM_AXIS`, three threads on `WG_AXIS`). All shapes are static.
+  M, N and K may be ragged: TMA masks the edge tiles and fills a partial last
+  K step with zeros. But each array's major dimension must be a multiple of
+  8 and its minor one of 32 bytes (the tiles take the widest swizzle the
+  minor dimensions allow, `config.operand_swizzle`), a minor M or N at least the
+  CTA tile's (`operands.tma_sizes`), and with `config.k_splits` > 1, K a
+  multiple of `config.tile_k` times `config.k_splits`.
+  `kernel_call.check_ws_config` checks the config.
 
   Args:
     lhs_gmem: (M, K) ref, or (K, M) with `layout.transpose_lhs`.
@@ -155,12 +168,16 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   tile_m, tile_n = config.tile_m, config.tile_n
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
   split_k = k // k_splits  # The K range of one block's share of a tile.
-  k_steps = split_k // config.tile_k
+  # A last partial K step reads past the arrays' end: TMA fills it with zeros.
+  k_steps = pl.cdiv(split_k, config.tile_k)
+  swizzle = operand_swizzle(config, lhs_gmem, rhs_gmem, transpose_lhs=layout.transpose_lhs,
+                            transpose_rhs=layout.transpose_rhs)
   # One allocation serves every output tile, so no scoped allocation (a
   # block-wide sync) sits in the tile loop.
   scratch = cooperative_scratch(config, dtype, out_gmem.dtype, k=k,
                                 has_bias=bias_gmem is not None, delay_release=delay_release,
-                                layout=layout)
+                                layout=layout, swizzle=swizzle,
+                                out_swizzle=output_swizzle(config, out_gmem))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
   def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None):
@@ -169,7 +186,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
     def work_item(split, m_tile, n_tile, _):
       cta_m_slice = pl.ds(m_tile * cta_m, cta_m)
       cta_n_slice = pl.ds(n_tile * cta_n, cta_n)
-      k_slice = pl.ds(split * split_k, split_k)
+      k_slice = pl.ds(split * split_k, k_steps * config.tile_k)
       if config.wg_dimension == MatmulDimension.M:
         wg_m_slice, wg_n_slice = pl.ds(wg * tile_m, tile_m), slice(None)
       else:
@@ -219,7 +236,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       rhs_tiles = (rhs_gmem.at[cta_n_slice, k_slice] if layout.transpose_rhs
                    else rhs_gmem.at[k_slice, cta_n_slice])
       _operand_pipeline(config, dtype, k_steps, delay_release, layout, mma_step,
-                        compute_context)(lhs_tiles, rhs_tiles, allocations=pipeline_allocs)
+                        compute_context, swizzle)(lhs_tiles, rhs_tiles,
+                                                  allocations=pipeline_allocs)
       if tile_drained is not None:
         @pl.when(wg == NUM_COMPUTE_WGS)  # The memory warpgroup.
         def _wait_drained():

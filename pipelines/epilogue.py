@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import barrier, smem
+from core import barrier, smem, tma_swizzle
 from pipelines.config import NUM_COMPUTE_WGS
 
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
@@ -86,16 +86,23 @@ class Epilogue:
     return self.apply(acc)
 
 
-def epilogue_scratch(config, out_dtype, *, has_bias: bool) -> dict:
+def output_swizzle(config, out_gmem) -> int:
+  """The swizzle (bytes) of the staging tiles that TMA stores into `out_gmem`:
+  the widest the epilogue tile and the output's minor dimension allow."""
+  return tma_swizzle((config.epi_tile_n,), (out_gmem.shape[-1],), out_gmem.dtype)
+
+
+def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None = None) -> dict:
   """The SMEM `store_epilogue` uses, for `pl.run_scoped(**...)` in a kernel.
 
   `out_smem`: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) staging
-  tiles of `out_dtype`, swizzled; with `has_bias` also `bias_smem`
+  tiles of `out_dtype`, swizzled (`swizzle` bytes, `output_swizzle`; by
+  default the widest a row allows); with `has_bias` also `bias_smem`
   (2, tile_n) of `BIAS_DTYPE` and `bias_loaded`, one barrier per compute warpgroup for the
   copy of its tile's bias into `bias_smem`.
   """
   scratch = dict(out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
-                                config.epi_tile_n), out_dtype, swizzled=True))
+                                config.epi_tile_n), out_dtype, swizzled=True, swizzle=swizzle))
   if has_bias:
     scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), BIAS_DTYPE)
     scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)

@@ -133,8 +133,8 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     problem: the (M, K, N) problem and operand dtype.
     out_dtype: the output dtype (the SMEM of the epilogue tiles).
   """
-  # Every heuristic tile steps through K in 64s; `ws_matmul` zero-pads any
-  # other K up to that, so the model sees the padded K.
+  # Every heuristic tile steps through K in 64s; a last partial step costs a
+  # whole one, so the model sees K rounded up.
   problem = operands.pad_k(problem, _HEURISTIC_TILE_K)
   (largest, _), *_ = _HEURISTIC_TILES
   if _num_tiles(problem, largest) >= device_facts().sm_count:

@@ -18,7 +18,6 @@ The kernel bodies live in `*_sm90.py`, one per schedule.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import SmemBudget, compiler_params, device_facts, interpret_params
-from core.memory import swizzle_elems
+from core.memory import swizzle_bytes
 from core.varying import vary_over, varying_axes, varying_kernel
 from pipelines import operands
 from pipelines.config import (
@@ -35,7 +34,6 @@ from pipelines.config import (
   Schedule,
   TuningConfig,
   check_swizzle,
-  operand_tile_minor_dims,
 )
 from pipelines.cooperative_matmul_sm90 import (
   PIPELINE_BUFFER_NAMES,
@@ -135,8 +133,11 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   Where M, N or K is 0 no kernel runs: the result is what `jnp.dot` gives
   (an empty array, or for K = 0 the epilogue of zeros). Dimensions off what
   TMA needs are zero-padded (`operands.tma_sizes`), which copies the
-  operand: K to a multiple of `config.tile_k * config.k_splits`, minor
-  dimensions to the swizzle width.
+  operand: a major dimension to a multiple of 8; a minor one off 128 bytes
+  to a multiple of 128 bytes, unless the kernel reading it in place with a
+  narrower swizzle is modelled faster (never where it is off 32 bytes); with
+  `config.k_splits` > 1, K to a multiple of `config.tile_k * config.k_splits`.
+  TMA fills a partial last K step with zeros.
 
   Args:
     lhs: (M, K) float16 or bfloat16, or (K, M) with `layout.transpose_lhs`.
@@ -156,22 +157,18 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
     raise ValueError(f"bias is {'given' if bias is not None else 'missing'} but "
                      f"epilogue.has_bias={epilogue.has_bias}")
   problem, out_dtype, bias = _check_call(lhs, rhs, bias, out_dtype, layout)
-  k_multiple = config.tile_k * config.k_splits
-  check_ws_config(config, operands.pad_k(problem, k_multiple), out_dtype,
+  check_ws_config(config, operands.pad_k(problem, config.tile_k * config.k_splits), out_dtype,
                   has_bias=bias is not None)
   if problem.is_empty:
     return empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
+  # The K ranges of a split must be whole K steps; one range may end in a
+  # partial step, which TMA fills with zeros.
+  k_multiple = config.tile_k * config.k_splits if config.k_splits > 1 else 1
   store_dtype = config.store_dtype(out_dtype)
-  lhs_minor, rhs_minor = operand_tile_minor_dims(config, transpose_lhs=layout.transpose_lhs,
-                                                 transpose_rhs=layout.transpose_rhs)
-  minor_multiple = math.lcm(swizzle_elems(lhs_minor, problem.dtype),
-                            swizzle_elems(rhs_minor, problem.dtype),
-                            swizzle_elems(config.epi_tile_n, store_dtype))
-  padded_m, padded_k, padded_n = operands.tma_sizes(
-      problem, k_multiple=k_multiple, minor_multiple=minor_multiple,
-      tile_m=config.cta_tile_m, tile_n=config.cta_tile_n)
-  lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, problem, m=padded_m, k=padded_k,
-                                         n=padded_n)
+  sizes = operands.tma_sizes(problem, out_dtype=store_dtype, k_multiple=k_multiple,
+                             tile_m=config.cta_tile_m, tile_n=config.cta_tile_n)
+  lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, sizes)
+  padded_m, padded_n = sizes.out
   m, n = problem.m, problem.n
   kernel_bias, kernel_epilogue = (bias, epilogue) if config.fuses_epilogue else (None, Epilogue())
   emit = (emit_pingpong_matmul if config.schedule == Schedule.PINGPONG
@@ -219,14 +216,14 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
   # emit_pipeline allocates its slots itself, so this budget is a model
   # (tested against Mosaic GPU's own allocation in smem_budget_test).
   config.smem_budget(problem.k, problem.dtype, out_dtype).check(what=repr(config))
-  minor_multiple = math.lcm(swizzle_elems(config.tile_k, problem.dtype),
-                            swizzle_elems(config.tile_n, problem.dtype),
-                            swizzle_elems(config.tile_n, out_dtype))
-  padded_m, _, padded_n = operands.tma_sizes(problem, k_multiple=config.tile_k,
-                                             minor_multiple=minor_multiple,
-                                             tile_m=config.tile_m, tile_n=config.tile_n)
-  lhs, rhs, _ = operands.pad_operands(lhs, rhs, None, problem, m=padded_m, k=problem.k,
-                                      n=padded_n)
+  # emit_pipeline's tiles take the widest swizzle their rows allow.
+  swizzle = min(swizzle_bytes(config.tile_k, problem.dtype),
+                swizzle_bytes(config.tile_n, problem.dtype),
+                swizzle_bytes(config.tile_n, out_dtype))
+  sizes = operands.tma_sizes(problem, out_dtype=out_dtype, k_multiple=config.tile_k,
+                             tile_m=config.tile_m, tile_n=config.tile_n, swizzles=(swizzle,))
+  lhs, rhs, _ = operands.pad_operands(lhs, rhs, None, sizes)
+  padded_m, padded_n = sizes.out
   m, n = problem.m, problem.n
   kernel = varying_kernel(plgpu.kernel(
       functools.partial(emit_pipelined_matmul, config=config),

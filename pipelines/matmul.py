@@ -63,9 +63,10 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       GPU, jax version, shape and layout, else what `on_cache_miss` says:
       "heuristic" (default), "tune" (sweep now, on a GPU) or "error".
 
-  Any M, K and N work: dimensions off what the kernel's TMA copies need are
-  zero-padded (a copy of that operand): K to the config's K tile (64 in the
-  heuristic's configs), the minor dimensions to the swizzle width. Where M,
+  Any M, K and N work. The kernel reads an operand in place where its minor
+  dimension is a multiple of 32 bytes and its major one of 8 (a last partial
+  K step is filled with zeros); other dimensions are zero-padded, a copy of
+  that operand (`operands.tma_sizes`). Where M,
   N or K is 0 no kernel runs and the result is what `jnp.dot` gives: an
   empty array, or for K = 0 `activation(bias)` (zeros without a bias).
 

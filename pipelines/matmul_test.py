@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from core import testing
+from core import interpret, testing
 from pipelines import (
   Epilogue,
   MatmulDimension,
@@ -64,6 +64,41 @@ class MatmulApiTest(testing.KernelTestCase):
                         in_specs=(spec("x", None), spec()), out_specs=spec("x", None))
     out = self.run_kernel(jax.jit(run), lhs, rhs)
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+  def test_operands_are_copied_only_where_it_pays(self):
+    """`tma_sizes` pads an operand whose minor dimension is off 128 bytes
+    where the copy costs less than a narrower swizzle would slow the main
+    loop: the small (M, 80) LHS of a long N, not the 65 MB (8192, 4000) RHS
+    of a decode-size M. A major dimension needs only 8 rows (K = 80 of the
+    RHS); a minor one off 32 bytes is always padded (N = 3000)."""
+    f16 = jnp.dtype(jnp.float16)
+    for (m, k, n), expected in (
+        ((4096, 80, 4096), ((4096, 128), (80, 4096), (4096, 4096))),
+        ((4096, 4112, 4096), ((4096, 4160), (4112, 4096), (4096, 4096))),
+        ((100, 8192, 4000), ((104, 8192), (8192, 4000), (104, 4000))),
+        ((4096, 4096, 4000), ((4096, 4096), (4096, 4032), (4096, 4000))),
+        ((1000, 4096, 3000), ((1000, 4096), (4096, 3008), (1000, 3008)))):
+      sizes = ops.tma_sizes(ops.MatmulProblem(m=m, k=k, n=n, dtype=f16), out_dtype=f16,
+                            k_multiple=1, tile_m=128, tile_n=256)
+      self.assertEqual((sizes.lhs, sizes.rhs, sizes.out), expected, f"{m}x{k}x{n}")
+
+  def test_operands_read_in_place_lower_for_the_gpu(self):
+    """Lowered for an H200 (on CPU, so Mosaic GPU checks every TMA against
+    its arrays, swizzle and all): only the operands `tma_sizes` pads are
+    copied."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("checks the lowering on CPU")
+    for (m, k, n), layout, pads in (((104, 8192, 4000), base.NN, 0),  # RHS: 64-byte swizzle.
+                                    ((160, 4096, 176), base.LAYOUTS[3], 0),  # LHS: 64 bytes.
+                                    ((4096, 80, 4096), base.NN, 1),  # The LHS.
+                                    ((104, 4096, 3000), base.NN, 1)):  # The RHS.
+      lhs, rhs = base.operands(47, m, k, n, jnp.float16, layout)
+      run = jax.jit(functools.partial(matmul, transpose_lhs=layout.transpose_lhs,
+                                      transpose_rhs=layout.transpose_rhs))
+      with interpret.interpret_disabled():
+        text = run.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
+      self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, f"{m}x{k}x{n}")
+      self.assertEqual(text.count("stablehlo.pad"), pads, f"{m}x{k}x{n} {layout.name}")
 
   def test_heuristic_fills_the_sms(self):
     """128x256 CTA tiles while they make a full wave on 132 SMs, smaller ones below that."""

@@ -126,8 +126,21 @@ class MatmulTestBase(testing.KernelTestCase):
     self.check(shape, jnp.bfloat16, seed=33, layout=LAYOUTS[layout_index],
                epilogue=Epilogue(activation="silu", has_bias=self.supports_epilogue))
 
+  @parameterized.parameters(*range(len(LAYOUTS)))
+  def test_minor_dims_on_32_or_64_bytes(self, layout_index):
+    """Minor dimensions off 128 bytes but on 64 (M = 160) or 32 (K = 80,
+    N = 176): the warp-specialized kernel reads them in place with a narrower
+    swizzle, and K's last step is partial."""
+    self.requires("transposed operands", self.supports_layouts or layout_index == 0)
+    self.requires("ragged shapes", self.supports_ragged)
+    self.requires("K off the K tile", self.supports_k_padding)
+    epilogue = (Epilogue(activation="relu", has_bias=True) if self.supports_epilogue
+                else Epilogue())
+    self.check((160, 80, 176), jnp.float16, seed=37, layout=LAYOUTS[layout_index],
+               epilogue=epilogue)
+
   def test_any_k_and_n(self):
-    """K and N off every multiple: padded by the wrapper."""
+    """K and N off every multiple of 32 bytes: padded by the wrapper."""
     self.requires("K off the K tile", self.supports_k_padding)
     self.check((72, 40, 60), jnp.float16, seed=35)
 
@@ -181,7 +194,8 @@ class MatmulTestBase(testing.KernelTestCase):
 
   @parameterized.parameters(16, 48, 80, 144)
   def test_k_multiple_of_16(self, k):
-    """K off the 64-wide K tile is zero-padded to it."""
+    """K off the 64-wide K tile: a partial last K step (or a pad, for
+    implementations that need whole steps)."""
     self.requires("K off the K tile", self.supports_k_padding)
     epilogue = Epilogue(activation="gelu", has_bias=self.supports_epilogue)
     self.check((72, k, 64), jnp.float16, seed=29, epilogue=epilogue)

@@ -13,7 +13,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from core.memory import TILE_ROWS
+from core.memory import SWIZZLE_BYTES, TILE_ROWS
 from pipelines.config import check_operand_dtype
 
 
@@ -101,45 +101,112 @@ def pad_k(problem: MatmulProblem, k_multiple: int) -> MatmulProblem:
   return dataclasses.replace(problem, k=round_up(problem.k, k_multiple))
 
 
-def tma_sizes(problem: MatmulProblem, *, k_multiple: int, minor_multiple: int, tile_m: int,
-              tile_n: int) -> tuple[int, int, int]:
-  """The (M, K, N) the operands are padded to for a kernel's TMA copies.
+# What a narrower swizzle costs the main loop, against the widest: measured on
+# an H200 with the same config in place and on pre-padded operands
+# (PERFORMANCE.md): 64 bytes 1.13x at 4096x4096x4000 and 1.20x at
+# 104x8192x4000; 32 bytes 2.1x at 4096x4112x4096.
+_SWIZZLE_SLOWDOWN = {128: 1.0, 64: 1.2, 32: 2.1}
+# To weigh that against a padding copy: the kernel's time from its FLOPs at
+# the rate it sustains on an H200 (700-760 TFLOP/s on large problems) or
+# its HBM traffic, and a copy's from the bytes it reads and writes (3.0 TB/s
+# measured for the pads of 100x8192x4000 and 4999x4096x2500) plus a launch.
+_KERNEL_FLOPS_PER_US = 7.0e8
+_KERNEL_BYTES_PER_US = 4.0e6
+_COPY_BYTES_PER_US = 3.0e6
+_COPY_LAUNCH_US = 2.0
 
-  TMA reads and writes a GMEM array through the same (8, swizzle) tiling as
-  its SMEM tile, so each stored array's minor dimension must be a multiple
-  of the swizzle width (`minor_multiple` elements) and its major one of 8
-  rows. The partial tiles at the edges are then masked by TMA itself. K is
-  rounded up to whole `k_multiple` steps: zeros add nothing to the products.
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TmaSizes:
+  """The shapes a kernel's arrays are zero-padded to (`tma_sizes`).
+
+  Attributes:
+    lhs, rhs: the operands' stored shapes (as `MatmulProblem.layout` stores
+      them). Their K may differ: TMA fills the K past either array with zeros.
+    out: the (M, N) the kernel writes; the caller slices the result.
+  """
+
+  lhs: tuple[int, int]
+  rhs: tuple[int, int]
+  out: tuple[int, int]
+
+
+def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int, tile_n: int,
+              swizzles: tuple[int, ...] = SWIZZLE_BYTES) -> TmaSizes:
+  """The shapes the operands and the output are zero-padded to for a kernel's TMA copies.
+
+  Mosaic GPU's TMA tiles a GMEM array as its SMEM tile: an array's major
+  dimension must be a multiple of the tile's 8 rows, its minor one of the
+  swizzle's row segment (`core.tma_swizzle`: both operands take one, the
+  widest of `swizzles` that their minor dimensions allow). TMA masks the
+  partial edge tiles and fills the K past an array's end with zeros, so K
+  need be a multiple of the K tile only where `k_multiple` says (the ranges
+  of a split K).
+
+  An operand whose minor dimension is off the widest segment is either read
+  in place with a narrower swizzle, which slows the whole main loop
+  (`_SWIZZLE_SLOWDOWN`), or padded to the widest, a copy of that operand:
+  whichever the cost model says is faster (e.g. K = 80 copies the (M, 80)
+  LHS and reads the (80, N) RHS in place, whose minor N it does not touch;
+  N = 4000 at M = 100 reads the 65 MB RHS with a 64-byte swizzle). A minor
+  dimension off the narrowest segment is always padded. The output's minor N
+  takes the widest swizzle it allows, in place unless off the narrowest.
+
   A tile wider than the whole of its array's minor dimension is not masked
   correctly, though: on an H200, N = 64 under 128-wide CTA tiles gave wrong
   products whenever K took two steps or more (relative error 0.7-1.0; M
   below the tile, as a major dimension, was right), so a minor M or N is
   padded to at least its tile.
+
+  Args:
+    problem: the problem and how its operands are stored.
+    out_dtype: the dtype the kernel stores.
+    k_multiple: K is rounded up to a multiple of this.
+    tile_m, tile_n: the CTA tile.
+    swizzles: the swizzles (bytes) the kernel's tiles may take.
   """
-  layout = problem.layout
+  layout, dtype = problem.layout, problem.dtype
+  widest, narrowest = max(swizzles), min(swizzles)
   k = round_up(problem.k, k_multiple)
-  if layout.transpose_lhs:  # M is the minor dimension of the stored LHS.
-    m = max(round_up(problem.m, minor_multiple), tile_m)
-  else:
-    m = round_up(problem.m, TILE_ROWS)
-  # N is the output's minor dimension in every layout.
-  n = max(round_up(problem.n, minor_multiple), tile_n)
-  return m, k, n
+
+  def padded(shape: tuple[int, int], itemsize: int, swizzle: int, minor_tile: int):
+    major, minor = shape
+    if minor * itemsize % swizzle:
+      minor = round_up(minor, widest // itemsize)
+    return round_up(major, TILE_ROWS), max(minor, minor_tile)
+
+  def copy_us(shape: tuple[int, int]) -> float:
+    return 2 * shape[0] * shape[1] * dtype.itemsize / _COPY_BYTES_PER_US + _COPY_LAUNCH_US
+
+  stored = (layout.lhs_shape(problem.m, k), layout.rhs_shape(k, problem.n))
+  minor_tiles = (tile_m if layout.transpose_lhs else 1, 1 if layout.transpose_rhs else tile_n)
+  out_bytes = problem.m * problem.n * jnp.dtype(out_dtype).itemsize
+  kernel_us = max(problem.flops / _KERNEL_FLOPS_PER_US,
+                  ((problem.m + problem.n) * k * dtype.itemsize + out_bytes)
+                  / _KERNEL_BYTES_PER_US)
+  options = []
+  for swizzle in sorted(swizzles, reverse=True):
+    shapes = tuple(padded(shape, dtype.itemsize, swizzle, minor_tile)
+                   for shape, minor_tile in zip(stored, minor_tiles, strict=True))
+    copies_us = sum(copy_us(new) for old, new in zip(stored, shapes, strict=True) if new != old)
+    options.append((kernel_us * _SWIZZLE_SLOWDOWN[swizzle] + copies_us, shapes))
+  # min() keeps the widest swizzle of equal costs.
+  _, (lhs, rhs) = min(options, key=lambda option: option[0])
+  out = padded((problem.m, problem.n), jnp.dtype(out_dtype).itemsize, narrowest, tile_n)
+  return TmaSizes(lhs=lhs, rhs=rhs, out=out)
 
 
-def pad_operands(lhs, rhs, bias, problem: MatmulProblem, *, m: int, k: int, n: int):
-  """Zero-pads lhs, rhs (stored as `problem.layout` says) and bias (N,) to (m, k, n).
+def pad_operands(lhs, rhs, bias, sizes: TmaSizes):
+  """Zero-pads lhs, rhs and bias (N,) to `sizes` (bias to the output's N).
 
-  Copies only the operands whose stored shape changes.
+  Copies only the operands whose shape changes.
   """
   def pad(x, shape):
     if x is None or x.shape == shape:
       return x
     return jnp.pad(x, [(0, want - have) for have, want in zip(x.shape, shape, strict=True)])
 
-  layout = problem.layout
-  return (pad(lhs, layout.lhs_shape(m, k)), pad(rhs, layout.rhs_shape(k, n)),
-          pad(bias, (n,)))
+  return pad(lhs, sizes.lhs), pad(rhs, sizes.rhs), pad(bias, (sizes.out[1],))
 
 
 def check_k_tiles(problem: MatmulProblem, tile_k: int) -> int:

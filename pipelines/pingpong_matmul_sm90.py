@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import accumulator, barrier, smem
-from pipelines.config import NUM_COMPUTE_WGS, TuningConfig
-from pipelines.epilogue import Epilogue, epilogue_scratch, store_epilogue
+from pipelines.config import NUM_COMPUTE_WGS, TuningConfig, operand_swizzle
+from pipelines.epilogue import Epilogue, epilogue_scratch, output_swizzle, store_epilogue
 from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import (
     MEMORY_WG_REGISTERS,
@@ -45,26 +45,28 @@ _COPIES_PER_SLOT = 2
 
 
 def pingpong_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool,
-                     layout: OperandLayout = NN) -> dict:
+                     layout: OperandLayout = NN, swizzle: int | None = None,
+                     out_swizzle: int | None = None) -> dict:
   """The SMEM `emit_pingpong_matmul` allocates for K = `k`, by name.
 
   The kernel allocates exactly this, and `kernel_call.ws_smem_budget` sums
   it. One ring of `max_concurrent_steps` slots per operand, not clamped to
-  a tile's K steps: the ring runs across tiles.
+  a tile's K steps: the ring runs across tiles. `swizzle` and `out_swizzle`
+  as for `cooperative_matmul_sm90.cooperative_scratch`.
   """
   del k  # The ring does not depend on K.
   slots = config.max_concurrent_steps
   return dict(
       # Tiles as the operands are stored (`OperandLayout`).
       lhs_smem=smem((slots, *layout.lhs_shape(config.tile_m, config.tile_k)), dtype,
-                    swizzled=True),
+                    swizzled=True, swizzle=swizzle),
       rhs_smem=smem((slots, *layout.rhs_shape(config.tile_k, config.tile_n)), dtype,
-                    swizzled=True),
+                    swizzled=True, swizzle=swizzle),
       # Warpgroup w's barriers for slot s are number w * slots + s.
       loaded=barrier(num_barriers=config.slot_barrier_sets * slots,
                      num_arrivals=_COPIES_PER_SLOT),
       consumed=barrier(num_barriers=config.slot_barrier_sets * slots),
-      **epilogue_scratch(config, out_dtype, has_bias=has_bias),
+      **epilogue_scratch(config, out_dtype, has_bias=has_bias, swizzle=out_swizzle),
   )
 
 
@@ -74,9 +76,8 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
   (grid axis `SM_AXIS`, at most one block per output tile, three threads on
-  `WG_AXIS`). Shapes as for `cooperative_matmul_sm90.emit_cooperative_matmul`:
-  static; M and N may be ragged (TMA masks the edge tiles); K a multiple of
-  `config.tile_k`.
+  `WG_AXIS`). Shapes as for `cooperative_matmul_sm90.emit_cooperative_matmul`
+  (without a split of K): static, and M, N and K may be ragged.
 
   Args:
     lhs_gmem: (M, K) ref, or (K, M) with `layout.transpose_lhs`.
@@ -90,14 +91,18 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
   k, m = lhs_gmem.shape if layout.transpose_lhs else lhs_gmem.shape[::-1]
   n = rhs_gmem.shape[0] if layout.transpose_rhs else rhs_gmem.shape[1]
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-  m_tiles, n_tiles, k_steps = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n), k // tile_k
+  # A last partial K step reads past the arrays' end: TMA fills it with zeros.
+  m_tiles, n_tiles, k_steps = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n), pl.cdiv(k, tile_k)
   slots = config.max_concurrent_steps
   # A step's slot goes back to the memory warpgroup once the wgmma reading it
   # is done. Leaving one wgmma in flight releases the previous step's slot,
   # which the next load may need only if the ring has two slots or more.
   in_flight = 1 if slots > 1 else 0
-  scratch = pingpong_scratch(config, lhs_gmem.dtype, out_gmem.dtype, k=k,
-                             has_bias=bias_gmem is not None, layout=layout)
+  scratch = pingpong_scratch(
+      config, lhs_gmem.dtype, out_gmem.dtype, k=k, has_bias=bias_gmem is not None,
+      layout=layout, out_swizzle=output_swizzle(config, out_gmem),
+      swizzle=operand_swizzle(config, lhs_gmem, rhs_gmem, transpose_lhs=layout.transpose_lhs,
+                              transpose_rhs=layout.transpose_rhs))
 
   def tile_loop(body):
     """Runs `body(owner, first_position, m_tile, n_tile)` for each of this block's tiles.
