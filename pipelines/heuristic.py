@@ -9,20 +9,28 @@ and HBM time where the output has too few tiles to fill the SMs.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from core import device_facts
 from pipelines import kernel_call, operands
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
 
+# The 128x192 CTA tile's relative time per multiply-add: from 0.94 to 1.07
+# in two problems where it left fewer SMs idle in the last wave than 128x256
+# (5000x4096x2560 and 1000x4096x3008 on an H200, PERFORMANCE.md); the upper
+# half of that range, so that it wins only by wave count.
+_TILE_192_COST = 1.05
 # The tiles the heuristic chooses from, largest CTA tile first: two 64x256,
-# 64x128 or 64x64 warpgroup tiles make CTA tiles of 128x256, 128x128 and
-# 64x128. Each comes with the relative time of one of its multiply-adds on an
-# H200 (smaller tiles reread more operand bytes per FLOP): 1.1 from the
-# split-K sweeps at equal work per SM; 1.5 from 256x8192x4096, where the
-# unsplit 64x128 tile ran 14% slower than 128x256 tiles in 4 splits. Stages,
-# epilogue tiles and splits are filled in by `default_config`.
+# 64x192, 64x128 or 64x64 warpgroup tiles make CTA tiles of 128x256,
+# 128x192, 128x128 and 64x128. Each comes with the relative time of one of
+# its multiply-adds on an H200 (smaller tiles reread more operand bytes per
+# FLOP): 1.1 from the split-K sweeps at equal work per SM; 1.5 from
+# 256x8192x4096, where the unsplit 64x128 tile ran 14% slower than 128x256
+# tiles in 4 splits. Stages, epilogue tiles and splits are filled in by
+# `default_config`.
 _HEURISTIC_TILES = (
     (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.M), 1.0),
+    (TuningConfig(tile_m=64, tile_n=192, wg_dimension=MatmulDimension.M), _TILE_192_COST),
     (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M), 1.1),
     (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N), 1.5),
 )
@@ -66,10 +74,11 @@ def _num_tiles(problem: operands.MatmulProblem, config: TuningConfig) -> int:
   return -(-problem.m // config.cta_tile_m) * -(-problem.n // config.cta_tile_n)
 
 
-def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig) -> int:
-  """Output elements the busiest SM computes: a proxy for the time."""
+def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig,
+                tile_cost: float = 1.0) -> float:
+  """Output elements the busiest SM computes, times `tile_cost`: a proxy for the time."""
   waves = -(-_num_tiles(problem, config) // device_facts().sm_count)
-  return waves * config.cta_tile_m * config.cta_tile_n
+  return waves * config.cta_tile_m * config.cta_tile_n * tile_cost
 
 
 def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
@@ -112,7 +121,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   64x256 warpgroup tiles (the widest wgmma) split along M, 3-4 stages and
   64x128 epilogue tiles. Problems with K <= 2048 get the ping-pong schedule's
   128x192 tile unless it would leave the busiest SM over 5% more output than
-  128x256 (16384x1024x8192: 6.5% faster than 128x256).
+  128x256 (16384x1024x8192: 6.5% faster than 128x256). Otherwise a cooperative
+  128x192 tile replaces 128x256 where its last wave leaves enough fewer SMs
+  idle (`_TILE_192_COST`; 4999x4096x2500: 5.6% faster).
 
   Problems with too few 128x256 tiles to fill the SMs get the CTA tile and
   split of K (`TuningConfig.k_splits`) with the least modelled time
@@ -136,10 +147,13 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   # Every heuristic tile steps through K in 64s; a last partial step costs a
   # whole one, so the model sees K rounded up.
   problem = operands.pad_k(problem, _HEURISTIC_TILE_K)
-  (largest, _), *_ = _HEURISTIC_TILES
+  (largest, _), (wide, wide_cost), *_ = _HEURISTIC_TILES
   if _num_tiles(problem, largest) >= device_facts().sm_count:
-    # At least one full wave of the largest tile: its efficiency wins.
-    tiles, splits = largest, 1
+    # At least one full wave of the largest tile: its efficiency wins, unless
+    # the 128x192 tile's last wave leaves enough fewer SMs idle.
+    tiles = min((largest, wide), key=lambda t: _waves_cost(
+        problem, t, 1.0 if t is largest else wide_cost))
+    splits = 1
     pingpong = _PINGPONG_CONFIG
     if (problem.k <= _PINGPONG_MAX_K
         and _waves_cost(problem, pingpong)
@@ -157,11 +171,14 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     tiles = dataclasses.replace(tiles, tile_n=min(tiles.tile_n, 128))
   # Stages hide load latency, so give up epilogue width before stages. With
   # float32 partials, 5 stages ran 3% slower than 4 (128x128 tiles at
-  # 128x8192x8192 and 128x16384x4096), so splits start at 4.
-  deep = ((6, 64), (5, 64)) if splits == 1 else ()
+  # 128x8192x8192 and 128x16384x4096), so splits start at 4. Stages beyond
+  # a short K loop's steps hide nothing, and its time goes to the epilogue:
+  # at 4096x80x4096, 6 stages with 64-wide epilogue tiles ran 6% slower than
+  # 4 with 128-wide ones.
+  deep = ((6, 64), (5, 64)) if splits == 1 and problem.k // tiles.tile_k > 6 else ()
   for steps, epi_tile_n in (*deep, (4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
     config = dataclasses.replace(tiles, max_concurrent_steps=steps,
-                                 epi_tile_n=min(epi_tile_n, tiles.tile_n), k_splits=splits)
+                                 epi_tile_n=math.gcd(epi_tile_n, tiles.tile_n), k_splits=splits)
     if kernel_call.ws_smem_budget(config, problem, out_dtype, has_bias=True).fits():
       return config
   raise AssertionError("unreachable: two stages of 128x256 tiles always fit")

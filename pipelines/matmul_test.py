@@ -110,6 +110,23 @@ class MatmulApiTest(testing.KernelTestCase):
                        f"{m}x{k}x{n}")
       self.assertEqual(config.schedule, Schedule.COOPERATIVE)
 
+  def test_heuristic_fills_the_last_wave(self):
+    """128x192 CTA tiles where they leave enough fewer SMs idle in the last
+    wave than 128x256 ones (one wave of 128 tiles against 96 at
+    1000x4096x3000; 5 waves against 4 at 4999x4096x2500); short K loops keep
+    128-wide epilogue tiles rather than stages that hide nothing."""
+    for (m, k, n), expected in (((1000, 4096, 3000), (128, 192, 4, 64)),
+                                ((4999, 4096, 2500), (128, 192, 4, 64)),
+                                ((4096, 4096, 4096), (128, 256, 3, 128)),
+                                ((8192, 8192, 8192), (128, 256, 3, 128)),
+                                ((4096, 80, 4096), (128, 256, 4, 128))):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
+      config = default_config(problem, jnp.float16)
+      self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.max_concurrent_steps,
+                        config.epi_tile_n), expected, f"{m}x{k}x{n}")
+      kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k), jnp.float16,
+                                  has_bias=True)
+
   def test_heuristic_splits_long_k_of_small_outputs(self):
     """Where even small tiles leave SMs idle and K is long, K is split so
     that (tile, K range) pairs make about one wave; each range >= 2048."""
