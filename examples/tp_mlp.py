@@ -220,7 +220,7 @@ def main(argv):
     counts = [int(c) for c in _DEVICE_COUNTS.value]
   else:
     counts = [gpus if on_gpu else SIMULATED_CPU_DEVICES]
-  print(f"{gpus} GPU(s): collective matmuls as the dispatchers choose" if on_gpu else
+  print(f"{gpus} GPU(s) on this host: collective matmuls as the dispatchers choose" if on_gpu else
         "no GPU: simulated CPU devices; step times are CPU wall clock and only show that it runs")
   print(f"per device: x ({shape.seq_shard}, {shape.hidden}), w1 ({shape.hidden}, "
         f"{shape.ffn_shard}), w2 ({shape.ffn_shard}, {shape.hidden}) {_DTYPE.value}; "
