@@ -125,8 +125,10 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   8 and its minor one of 32 bytes (the tiles take the widest swizzle the
   minor dimensions allow, `config.operand_swizzle`), a minor M or N at least the
   CTA tile's (`operands.tma_sizes`), and with `config.k_splits` > 1, K a
-  multiple of `config.tile_k` times `config.k_splits`.
-  `kernel_call.check_ws_config` checks the config.
+  multiple of `config.tile_k` times `config.k_splits`. K is the LHS's; the
+  RHS may hold more or fewer rows of K (padded or not), since what lies past
+  either array's end reads as zeros. `kernel_call.check_ws_config` checks
+  the config.
 
   Args:
     lhs_gmem: (M, K) ref, or (K, M) with `layout.transpose_lhs`.
