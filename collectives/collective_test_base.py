@@ -81,6 +81,17 @@ class CollectiveMatmulTestBase(testing.KernelTestCase):
     self.check(self.device_counts[0], jnp.bfloat16, seed=30, out_dtype=jnp.float16)
 
 
+class OneDeviceRingTestCase(testing.KernelTestCase):
+  """A ring kernel on a ring of one device: on GPUs only in a job of one GPU,
+  since the ring's mesh axis must span the job (`topology.ring_axis_size`)."""
+
+  def setUp(self):
+    super().setUp()
+    if self.backend == testing.GPU and jax.device_count() > 1:
+      self.skipTest(f"a one-device ring needs a job of one GPU, this one has "
+                    f"{jax.device_count()}: run with CUDA_VISIBLE_DEVICES=0")
+
+
 class SimulatedRingTestCase(testing.KernelTestCase):
   """A Mosaic ring kernel's tests: simulated devices in the collective
   interpreter on CPU (`simulator`), every GPU of the host on GPUs."""

@@ -9,17 +9,18 @@ import jax.numpy as jnp
 from pipelines import operands as matmul_operands
 
 
-def check_shards(lhs, rhs, dtype) -> tuple[matmul_operands.MatmulProblem, jnp.dtype]:
+def check_shards(lhs, rhs, dtype, *, op: str = "the collective matmuls"
+                 ) -> tuple[matmul_operands.MatmulProblem, jnp.dtype]:
   """Validates lhs (M, K) and rhs (K, N); returns (local problem, out dtype).
 
   Operands as for `pipelines.matmul` (float16/bfloat16, K equal); `dtype`,
-  the output dtype, float16 or bfloat16 (the operand dtype when None).
+  the output dtype, float16 or bfloat16 (the operand dtype when None). `op`
+  names the caller in the errors.
   """
   problem = matmul_operands.check_operands(lhs, rhs)
   out_dtype = matmul_operands.check_out_dtype(dtype, problem.dtype)
   if out_dtype == jnp.float32:
-    raise ValueError("dtype=float32 is not supported by the collective matmuls; use float16 or "
-                     "bfloat16")
+    raise ValueError(f"dtype=float32 is not supported by {op}; use float16 or bfloat16")
   return problem, out_dtype
 
 

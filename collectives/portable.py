@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from collectives import operands, schedule, topology
+from collectives import operands, reduce_scatter_schedule, schedule, topology
 from pipelines import TuningConfig
 
 
@@ -93,7 +93,7 @@ def xla_ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   """`psum_scatter(lhs @ rhs, axis_name)` as a ring of `ppermute`s of partial sums.
 
   At step s device d computes the partial product of row block
-  `schedule.reduce_scatter_block_at_step(d, s, D)` with one dot, adds the
+  `reduce_scatter_schedule.block_at_step(d, s, D)` with one dot, adds the
   partial sum its ring successor sent, and sends the sum on to its ring
   predecessor; at the last step the block is its own and the sum is final.
   Partial sums travel in float32. A step's dot does not depend on the partial
@@ -118,7 +118,7 @@ def xla_ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   to_predecessor = [(d, schedule.send_target(d, num_devices)) for d in range(num_devices)]
   arriving = None
   for step in range(num_devices):
-    rows = schedule.reduce_scatter_block_at_step(device, step, num_devices) * block.m
+    rows = reduce_scatter_schedule.block_at_step(device, step, num_devices) * block.m
     partial = jnp.dot(lax.dynamic_slice_in_dim(lhs, rows, block.m, axis=0), rhs,
                       preferred_element_type=jnp.float32)
     if arriving is not None:

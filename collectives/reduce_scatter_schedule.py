@@ -11,11 +11,28 @@ and the last step's block, `d` itself, is final: it goes to the output, not
 to a peer. So D - 1 sums travel, each into a scratch slot of its own on the
 receiver (slot s holds what was sent at step s), and no slot is reused.
 
-The functions take Python ints or traced int32 scalars alike, so the Mosaic
-kernel and the tests use the same arithmetic.
+The ring itself, its scratch slots and which steps send are the all-gather
+ring's (`collectives.schedule`), imported here so that this module reads as
+the whole schedule. The functions take Python ints or traced int32 scalars
+alike, so the Mosaic kernel, the portable XLA twin and the tests use the same
+arithmetic.
 """
 
 from __future__ import annotations
+
+from collectives.schedule import (
+  num_scratch_slots,
+  read_slot,
+  receive_source,
+  send_slot,
+  send_target,
+  sends_at_step,
+)
+
+__all__ = [
+    "adds_at_step", "block_at_step", "num_scratch_slots", "read_slot", "receive_source",
+    "send_slot", "send_target", "sends_at_step", "signals_per_slot",
+]
 
 
 def block_at_step(device, step, num_devices):
@@ -23,39 +40,9 @@ def block_at_step(device, step, num_devices):
   return (device + step + 1) % num_devices
 
 
-def send_target(device, num_devices):
-  """The device that receives this device's running sums: its ring predecessor."""
-  return (device + num_devices - 1) % num_devices
-
-
-def receive_source(device, num_devices):
-  """The device whose running sums this device receives: its ring successor."""
-  return (device + 1) % num_devices
-
-
-def sends_at_step(step, num_devices):
-  """Whether a device sends its sum on at `step` (every step but the last, which is final)."""
-  return step < num_devices - 1
-
-
 def adds_at_step(step):
   """Whether a device adds a received sum at `step` (every step but the first)."""
   return step > 0
-
-
-def num_scratch_slots(num_devices: int) -> int:
-  """Receive slots per device: one per sum sent to it."""
-  return num_devices - 1
-
-
-def send_slot(step):
-  """The receiver's scratch slot that the sum sent at `step` lands in."""
-  return step
-
-
-def read_slot(step):
-  """The scratch slot a device adds at `step` >= 1: what its successor sent at `step - 1`."""
-  return step - 1
 
 
 def signals_per_slot(num_blocks: int, signallers_per_block: int) -> int:

@@ -51,6 +51,25 @@ class ReduceScatterScheduleTest(parameterized.TestCase):
       self.assertNotIn(None, scratch[device], "a scratch slot was never written")
 
   @parameterized.parameters(*RING_SIZES)
+  def test_simulated_ring_ends_each_sum_at_the_device_that_owns_its_block(self, d):
+    """Plays the ring with sums as sets of devices: each partial collects
+    every device once and ends at the device that owns its block."""
+    contributors = [None] * d  # What device i received at the previous step.
+    for step in range(d):
+      sums = []
+      for device in range(d):
+        block = schedule.block_at_step(device, step, d)
+        received = contributors[device] or (block, frozenset())
+        self.assertEqual(received[0], block, "a partial was added to another block's")
+        sums.append((block, received[1] | {device}))
+      if schedule.sends_at_step(step, d):
+        contributors = [None] * d
+        for device in range(d):
+          contributors[schedule.send_target(device, d)] = sums[device]
+    for device in range(d):
+      self.assertEqual(sums[device], (device, frozenset(range(d))))
+
+  @parameterized.parameters(*RING_SIZES)
   def test_sends_stop_at_the_last_step_and_adds_skip_the_first(self, d):
     self.assertEqual(sum(schedule.sends_at_step(step, d) for step in range(d)), d - 1)
     self.assertFalse(schedule.sends_at_step(d - 1, d))

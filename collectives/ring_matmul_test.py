@@ -17,7 +17,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import collectives
-from collectives import ring_matmul_sm90, sharding, topology
+from collectives import collective_test_base, ring_matmul_sm90, sharding, topology
 from core import interpret, testing
 from pipelines import (
   WG_AXIS,
@@ -87,14 +87,7 @@ class ForwardLhsTilesTest(testing.KernelTestCase):
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.bfloat16)
 
 
-class OneDeviceTest(testing.KernelTestCase):
-
-  def setUp(self):
-    super().setUp()
-    if self.backend == testing.GPU and jax.device_count() > 1:
-      # The ring's mesh axis must span the job (topology.ring_axis_size).
-      self.skipTest(f"a one-device ring needs a job of one GPU, this one has "
-                    f"{jax.device_count()}: run with CUDA_VISIBLE_DEVICES=0")
+class OneDeviceTest(collective_test_base.OneDeviceRingTestCase):
 
   def test_ring_kernel_on_one_device(self):
     mesh = sharding.ring_mesh(1)

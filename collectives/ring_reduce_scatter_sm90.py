@@ -68,8 +68,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from collectives import operands, ring_config, topology
 from collectives import reduce_scatter_schedule as schedule
-from collectives import ring_config, topology
 from core import device_facts, is_interpreting
 from core.varying import vary_over, varying_axes
 from pipelines import (
@@ -79,7 +79,6 @@ from pipelines import (
     emit_cooperative_matmul,
     persistent_kernel,
 )
-from pipelines import operands as matmul_operands
 from pipelines.config import NUM_COMPUTE_WGS
 from pipelines.operands import MatmulProblem
 
@@ -203,16 +202,6 @@ def _ring_kernel(lhs_gmem, rhs_gmem, out_gmem, recv_gmem, *, axis_name, num_devi
   device_step(num_devices - 1, adds=True, sends=False)
 
 
-def _check_operands(lhs, rhs, dtype) -> tuple[MatmulProblem, jnp.dtype]:
-  """(the device's whole problem (M, K_shard, N), the output dtype)."""
-  problem = matmul_operands.check_operands(lhs, rhs)
-  out_dtype = matmul_operands.check_out_dtype(dtype, problem.dtype)
-  if out_dtype == jnp.float32:
-    raise ValueError("dtype=float32 is not supported by the matmul + reduce-scatter; use "
-                     "float16 or bfloat16")
-  return problem, out_dtype
-
-
 def ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
                                config: TuningConfig, dtype=None) -> jax.Array:
   """`psum_scatter(lhs @ rhs, axis_name)` with the Mosaic ring kernel; call inside `jax.shard_map`.
@@ -239,7 +228,7 @@ def ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   interpreting = is_interpreting()
   # Simulated devices (interpret mode) may be a part of the job's CPU devices.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=not interpreting)
-  problem, out_dtype = _check_operands(lhs, rhs, dtype)
+  problem, out_dtype = operands.check_shards(lhs, rhs, dtype, op="the matmul + reduce-scatter")
   if problem.m % num_devices:
     raise ValueError(f"M (lhs.shape[0]={problem.m}) must be a multiple of the {num_devices} "
                      f"devices of mesh axis {axis_name!r}: each gets M / D rows")

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
+from collectives import collective_test_base, sharding, topology
 from collectives import ring_reduce_scatter_sm90 as rs
-from collectives import sharding, topology
 from core import interpret, testing
 from pipelines import MatmulDimension, Schedule, TuningConfig, matmul_reference
 from pipelines.operands import MatmulProblem
@@ -31,14 +31,7 @@ def reduce_scatter_spec(num_devices, block_m, k_shard, n, dtype=jnp.float16):
       jax.ShapeDtypeStruct((num_devices * k_shard, n), dtype), mesh, sharding.REDUCE_SCATTER)
 
 
-class OneDeviceTest(testing.KernelTestCase):
-
-  def setUp(self):
-    super().setUp()
-    if self.backend == testing.GPU and jax.device_count() > 1:
-      # The ring's mesh axis must span the job (topology.ring_axis_size).
-      self.skipTest(f"a one-device ring needs a job of one GPU, this one has "
-                    f"{jax.device_count()}: run with CUDA_VISIBLE_DEVICES=0")
+class OneDeviceTest(collective_test_base.OneDeviceRingTestCase):
 
   def test_one_device_is_the_plain_matmul(self):
     mesh = sharding.ring_mesh(1)

@@ -7,8 +7,10 @@ rows of shard `(d + i) % D`, while it forwards that same shard to device
 scratch slot i, which the receiver multiplies at step i + 1; the last step
 forwards nothing, so D - 1 slots suffice and each is written exactly once.
 
-The functions take Python ints or traced int32 scalars alike, so the Mosaic
-kernel, the portable XLA twin and the tests all use the same arithmetic.
+The matmul + reduce-scatter sends its running sums around the same ring, into
+the same slots (`reduce_scatter_schedule`). The functions take Python ints or
+traced int32 scalars alike, so the Mosaic kernel, the portable XLA twin and
+the tests all use the same arithmetic.
 """
 
 from __future__ import annotations
@@ -60,13 +62,3 @@ def signals_per_slot(num_blocks: int) -> int:
   """
   return num_blocks
 
-
-def reduce_scatter_block_at_step(device, step, num_devices):
-  """The row block whose partial sum device `device` adds to at `step` of the reduce-scatter ring.
-
-  Partial sums travel like the all-gather's shards, to the ring predecessor,
-  so the block a device adds to at step s is the one its successor added to
-  at step s - 1; at the last step (D - 1) it is the device's own block, and
-  the sum is final: block (d + s + 1) % D.
-  """
-  return (device + step + 1) % num_devices
