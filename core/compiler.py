@@ -8,8 +8,12 @@ in-kernel profile trace of any kernel:
 
 writes one Perfetto-compatible JSON trace per kernel launch into that folder
 (`MGPU_PROFILE_SPACE` sets the events recorded per warpgroup, default 64).
-Open it in ui.perfetto.dev. Profiling costs SMEM and time: never benchmark with
-it on.
+Open it in ui.perfetto.dev. Each `jax.named_scope` inside a kernel body is one
+region of the trace: the warp-specialized matmul names its K loop and
+epilogue ("k_loop", "epilogue"), the ring kernels their steps and
+synchronization ("ring_step", "ring_signal", "ring_wait"). Profiling costs
+SMEM and time, and it distorts: a step of the all-gather ring that forwards
+its LHS ran 3.5x slower traced than untraced. Never benchmark with it on.
 
 `delay_release` and `max_concurrent_steps` are pipeline knobs. With jax 0.11.2,
 `max_concurrent_steps` is a `CompilerParams` field (used by the `pallas_call`

@@ -224,14 +224,16 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
 
         @functools.partial(pl.run_scoped, acc_ref=accumulator((tile_m, tile_n)))
         def _acc_scope(acc_ref):
-          run_pipeline(acc_ref)
-          acc = acc_ref[...]  # Waits for every wgmma of the tile.
+          with jax.named_scope("k_loop"):
+            run_pipeline(acc_ref)
+            acc = acc_ref[...]  # Waits for every wgmma of the tile.
           if tile_drained is not None:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The callback's copies.
             plgpu.barrier_arrive(tile_drained)
           if bias_gmem is not None:
             plgpu.barrier_wait(bias_loaded.at[wg])
-          store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue, wg_addend)
+          with jax.named_scope("epilogue"):
+            store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue, wg_addend)
 
       lhs_tiles = (lhs_gmem.at[k_slice, cta_m_slice] if layout.transpose_lhs
                    else lhs_gmem.at[cta_m_slice, k_slice])
