@@ -61,8 +61,8 @@ class RingKernelTest(collective_test_base.SimulatedRingTestCase):
   def test_simulated_ring_matches_reference(self, num_devices, wg_dimension):
     self.simulated_devices(num_devices)
     config = dataclasses.replace(SMALL, wg_dimension=wg_dimension)
-    # Two M tiles and two N tiles per device: several blocks send, and only
-    # the first N tile of each M band forwards it.
+    # Two M tiles and two N tiles per device: several blocks send, and the
+    # N tiles of each M band share its forwarding.
     m_shard, n_shard = 2 * config.cta_tile_m, 2 * config.cta_tile_n
     run, args, lhs, rhs = ring_problem(num_devices, m_shard, 128, n_shard, jnp.float16,
                                        config)

@@ -9,9 +9,10 @@ on to the ring predecessor from SMEM (`pipeline_callback`), so the transfer
 costs no extra GMEM reads and runs while the tensor cores work.
 
 Synchronization, per step:
-  * each send is a TMA copy from a pipeline SMEM slot; `delay_release=1` keeps
-    the slot alive one step longer, and the next step's callback waits for
-    the copy to finish reading it (`wait_smem_to_gmem(1, wait_read_only=True)`);
+  * each LHS tile is sent once, by one of the blocks that load it
+    (`forward_lhs_tiles`), as a TMA copy from its pipeline SMEM slot;
+    `delay_release=1` keeps the slot alive one step longer, and the next
+    step's callback waits for the copy to finish reading it;
   * after its share of the step, every block of the sender waits until its
     copies have landed in the peer's GMEM and signals the peer's semaphore of
     that scratch slot;
@@ -61,22 +62,28 @@ def check_ring_config(config: TuningConfig, problem, out_dtype) -> None:
   check_ws_config(config, problem, out_dtype, delay_release=SEND_DELAY_RELEASE)
 
 
-def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, enabled):
+def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, n_tiles: int, enabled):
   """A `pipeline_callback` that copies each LHS tile the pipeline loads to `dst_gmem`.
 
   Args:
     dst_gmem: (M, K) GMEM ref (local or `plgpu.remote_ref`) laid out like the
       matmul's LHS.
+    n_tiles: the output tiles of an M row band (N / CTA tile_n): every one of
+      them loads the band's LHS tiles.
     enabled: traced bool; only the warpgroup and steps where it holds send.
 
-  Only the first N tile of each M row band sends, so an LHS tile the matmul
-  loads again for other N tiles is not sent again. Must run with
+  Each LHS tile is sent once, by the band's N tile `k_step % n_tiles`, so the
+  sends spread evenly over all the blocks that compute the band. (Sending a
+  band from its first N tile alone left those few blocks a step's worth of
+  NVLink traffic each, which every block of the peer then waited for: the
+  ring at M_shard 512 took 69 us against 59 us spread.) Must run with
   `delay_release=SEND_DELAY_RELEASE`.
   """
   def callback(m_tile, n_tile, k_step, lhs_smem, rhs_smem):
     del rhs_smem
+    sends_tile = k_step % n_tiles == n_tile
 
-    @pl.when(enabled & (n_tile == 0))
+    @pl.when(enabled & sends_tile)
     def _send():
       plgpu.copy_smem_to_gmem(
           lhs_smem, dst_gmem.at[pl.ds(m_tile * cta_tile_m, cta_tile_m),
@@ -84,6 +91,12 @@ def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, enabled):
       # This slot stays alive one more step; the previous step's slot is
       # released after this step, so its copy must be done reading now.
       plgpu.wait_smem_to_gmem(SEND_DELAY_RELEASE, wait_read_only=True)
+
+    @pl.when(enabled & ~sends_tile)
+    def _drain():
+      # Nothing sent this step, so the last copy (if any) read the previous
+      # step's slot, which is released after this step.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return callback
 
@@ -109,25 +122,29 @@ def _ring_kernel(lhs_gmem, rhs_gmem, out_gmem, recv_gmem, *, axis_name, num_devi
     shard = schedule.shard_at_step(device, step, num_devices)
     send = forward_lhs_tiles(peer_recv_gmem.at[schedule.send_slot(step)],
                              cta_tile_m=config.cta_tile_m, tile_k=config.tile_k,
+                             n_tiles=rhs_gmem.shape[1] // config.cta_tile_n,
                              enabled=is_sender_wg & sends)
-    emit_cooperative_matmul(lhs_src_gmem, rhs_gmem,
-                            out_gmem.at[pl.ds(shard * m_shard, m_shard)], config=config,
-                            pipeline_callback=send, delay_release=SEND_DELAY_RELEASE)
+    with jax.named_scope("ring_step"):
+      emit_cooperative_matmul(lhs_src_gmem, rhs_gmem,
+                              out_gmem.at[pl.ds(shard * m_shard, m_shard)], config=config,
+                              pipeline_callback=send, delay_release=SEND_DELAY_RELEASE)
 
     @pl.when(is_sender_wg & sends)
     def _signal():
       # The peer may read the slot only once the writes have landed, not
       # merely once this block's SMEM was read.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-      pl.semaphore_signal(received.at[schedule.send_slot(step)], device_id=peer)
+      with jax.named_scope("ring_signal"):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        pl.semaphore_signal(received.at[schedule.send_slot(step)], device_id=peer)
 
     @pl.when(sends)
     def _wait():
       # Every block reads every M tile of the next shard, which other blocks
       # of the sender may have forwarded: wait for all of them. Never
       # decremented, so every block of this device can wait on the same count.
-      pl.semaphore_wait(received.at[schedule.read_slot(step + 1)],
-                        value=schedule.signals_per_slot(num_blocks), decrement=False)
+      with jax.named_scope("ring_wait"):
+        pl.semaphore_wait(received.at[schedule.read_slot(step + 1)],
+                          value=schedule.signals_per_slot(num_blocks), decrement=False)
 
   # Step 0 reads the local shard; later steps read what the successor sent.
   device_step(lhs_gmem, 0)

@@ -41,7 +41,8 @@ def matmul_forwarding_lhs(lhs, rhs, *, config: TuningConfig, num_blocks: int):
   def body(lhs_gmem, rhs_gmem, out_gmem, lhs_copy_gmem):
     sender = jax.lax.axis_index(WG_AXIS) == ring_matmul_sm90.SENDER_WG
     forward = ring_matmul_sm90.forward_lhs_tiles(
-        lhs_copy_gmem, cta_tile_m=config.cta_tile_m, tile_k=config.tile_k, enabled=sender)
+        lhs_copy_gmem, cta_tile_m=config.cta_tile_m, tile_k=config.tile_k,
+        n_tiles=rhs_gmem.shape[1] // config.cta_tile_n, enabled=sender)
     emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config,
                             pipeline_callback=forward,
                             delay_release=ring_matmul_sm90.SEND_DELAY_RELEASE)
@@ -59,14 +60,17 @@ class ForwardLhsTilesTest(testing.KernelTestCase):
   @parameterized.product(wg_dimension=list(MatmulDimension), num_blocks=[1, 3],
                          # 2 epilogue stores per tile, or 3 (odd: consecutive
                          # tiles start on different staging slots).
-                         epilogue_tiling=[{}, dict(tile_n=192, epi_tile_n=64)])
+                         epilogue_tiling=[{}, dict(tile_n=192, epi_tile_n=64)],
+                         # Fewer N tiles per M band than K steps (each sends
+                         # some of them), as many, and more (some send none).
+                         n_tiles=[2, 3, 4])
   def test_every_lhs_tile_is_forwarded_and_the_product_is_right(self, wg_dimension, num_blocks,
-                                                               epilogue_tiling):
-    # Several N tiles per M band (only the first sends) and several tiles per
-    # block (slots reused across tiles while copies may be in flight).
+                                                               epilogue_tiling, n_tiles):
+    # Several tiles per block: slots are reused across tiles while copies
+    # may be in flight.
     config = dataclasses.replace(SMALL, wg_dimension=wg_dimension, **epilogue_tiling)
     lhs = testing.random_array(0, (256, 192), jnp.float16)
-    rhs = testing.random_array(1, (192, 2 * config.cta_tile_n), jnp.float16)
+    rhs = testing.random_array(1, (192, n_tiles * config.cta_tile_n), jnp.float16)
     out, lhs_copy = self.run_kernel(
         functools.partial(matmul_forwarding_lhs, config=config, num_blocks=num_blocks),
         lhs, rhs)
