@@ -5,6 +5,13 @@
 step i's dot runs, which XLA's asynchronous collectives overlap on GPUs.
 `all_gather_then_matmul` is the naive form (gather everything, then one dot).
 
+Both rings tie each step's dot to the next one through `lax.optimization_barrier`
+(`_in_order`). Without it XLA's GPU compiler merges the steps' dots, which share
+their RHS and do not depend on each other, into one dot that waits for every
+transfer: nothing was left to overlap, and on two H200s the ring took 198 us
+against 164 us for all-gather + dot (PERFORMANCE.md, "Why the XLA ring did not
+overlap").
+
 `xla_ring_matmul_reduce_scatter` is the reduce-scatter's ring: partial sums of
 one row block travel the ring in float32, each device adding its product of
 that block; `matmul_then_reduce_scatter` is its naive form (one dot, then
@@ -24,6 +31,15 @@ from pipelines import TuningConfig
 
 def _shard_dot(lhs, rhs, out_dtype):
   return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _in_order(done, next_operand):
+  """(done, next_operand), with next_operand made to depend on done.
+
+  Keeps XLA from merging the dot that produced `done` with the dot that will
+  read `next_operand` (see the module docstring); the values are unchanged.
+  """
+  return lax.optimization_barrier((done, next_operand))
 
 
 def xla_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype, transpose_lhs: bool = False,
@@ -63,15 +79,18 @@ def ring_all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   device = lax.axis_index(axis_name)
   # Each device forwards to its ring predecessor, as the Mosaic kernel does.
   to_predecessor = [(d, schedule.send_target(d, num_devices)) for d in range(num_devices)]
-  out = jnp.zeros((num_devices, problem.m, problem.n), out_dtype)
+  products = []
   held = lhs
   for step in range(num_devices):
-    # Issued before the dot, so the transfer can overlap it.
-    arriving = (lax.ppermute(held, axis_name, to_predecessor)
-                if schedule.sends_at_step(step, num_devices) else None)
-    shard = schedule.shard_at_step(device, step, num_devices)
-    out = lax.dynamic_update_index_in_dim(out, _shard_dot(held, rhs, out_dtype), shard, 0)
-    held = arriving
+    product = _shard_dot(held, rhs, out_dtype)
+    if schedule.sends_at_step(step, num_devices):
+      # The send does not depend on the dot, so XLA can overlap the two.
+      product, held = _in_order(product, lax.ppermute(held, axis_name, to_predecessor))
+    products.append(product)
+  # products[i] is row block shard_at_step(device, i); one gather puts the
+  # blocks in order (cheaper than updating a zeroed output block by block).
+  steps = schedule.step_of_shard(device, jnp.arange(num_devices), num_devices)
+  out = jnp.take(jnp.stack(products), steps, axis=0, mode="clip")
   return out.reshape(num_devices * problem.m, problem.n)
 
 
@@ -116,14 +135,20 @@ def xla_ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   block, out_dtype = operands.check_reduce_scatter_operands(lhs, rhs, dtype, num_devices)
   device = lax.axis_index(axis_name)
   to_predecessor = [(d, schedule.send_target(d, num_devices)) for d in range(num_devices)]
+
+  def lhs_block(step):
+    rows = reduce_scatter_schedule.block_at_step(device, step, num_devices) * block.m
+    return lax.dynamic_slice_in_dim(lhs, rows, block.m, axis=0)
+
+  held = lhs_block(0)
   arriving = None
   for step in range(num_devices):
-    rows = reduce_scatter_schedule.block_at_step(device, step, num_devices) * block.m
-    partial = jnp.dot(lax.dynamic_slice_in_dim(lhs, rows, block.m, axis=0), rhs,
-                      preferred_element_type=jnp.float32)
+    partial = jnp.dot(held, rhs, preferred_element_type=jnp.float32)
     if arriving is not None:
       partial = partial + arriving
     if schedule.sends_at_step(step, num_devices):
+      # The next dot waits for this partial, not for its transfer.
+      partial, held = _in_order(partial, lhs_block(step + 1))
       arriving = lax.ppermute(partial, axis_name, to_predecessor)
   return partial.astype(out_dtype)
 

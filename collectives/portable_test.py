@@ -5,11 +5,15 @@ import logging
 import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
+from jax.extend import core as jax_core
 
 import collectives
-from collectives import collective_test_base, sharding
+from collectives import collective_test_base, portable, sharding
 from core import testing
 from pipelines import matmul_reference
+
+XLA_RINGS = dict(all_gather=portable.ring_all_gather_matmul,
+                 reduce_scatter=portable.xla_ring_matmul_reduce_scatter)
 
 
 def global_operands(seed, d, m_shard, k, n_shard, dtype):
@@ -65,6 +69,72 @@ class PortableRingTest(testing.KernelTestCase):
       self.assertIn("not a GPU", choice.reason)
     forced = collectives.choose_implementation(2, "xla_ring")
     self.assertEqual(forced.implementation, collectives.Implementation.XLA_RING)
+
+
+def dot_dependencies(jaxpr) -> list[set[int]]:
+  """For each dot_general of `jaxpr`'s top level, in order, the earlier ones it depends on."""
+  depends_on = {}  # var -> indices of the dots it was computed from
+  dots = []
+  for eqn in jaxpr.eqns:
+    deps = set().union(*(depends_on.get(v, set()) for v in eqn.invars
+                         if not isinstance(v, jax_core.Literal)))
+    if eqn.primitive.name == "dot_general":
+      dots.append(deps)
+      deps = deps | {len(dots) - 1}
+    for v in eqn.outvars:
+      depends_on[v] = deps
+  return dots
+
+
+def ring_operands(op, d, *, m_shard=32, k=64, n_shard=16, global_shapes=False):
+  """Zero (lhs, rhs) of a ring of d devices: one device's, or the global arrays."""
+  if op == "all_gather":
+    shapes = ((m_shard, k), (k, n_shard))
+    scale = ((d, 1), (1, d))
+  else:  # Per device lhs (D * M_shard, K_shard), rhs (K_shard, N); K is sharded.
+    shapes = ((d * m_shard, k), (k, n_shard))
+    scale = ((1, d), (d, 1))
+  if global_shapes:
+    shapes = [(rows * a, cols * b) for (rows, cols), (a, b) in zip(shapes, scale, strict=True)]
+  return [jnp.zeros(shape, jnp.float16) for shape in shapes]
+
+
+class XlaRingOverlapTest(parameterized.TestCase):
+  """The XLA rings keep one dot per step, so that XLA can overlap each with a transfer.
+
+  XLA's GPU compiler merges dots that share an operand (the RHS) and do not
+  depend on each other into one dot, which then waits for every transfer.
+  """
+
+  @parameterized.product(op=list(XLA_RINGS), d=[2, 4])
+  def test_each_step_dot_depends_on_the_previous_one(self, op, d):
+    def ring(lhs, rhs):
+      return XLA_RINGS[op](lhs, rhs, "x")
+
+    jaxpr = jax.make_jaxpr(ring, axis_env=[("x", d)])(*ring_operands(op, d)).jaxpr
+    dots = dot_dependencies(jaxpr)
+    self.assertLen(dots, d)
+    for step in range(1, d):
+      self.assertIn(step - 1, dots[step], f"the dot of step {step} does not wait for step "
+                    f"{step - 1}'s: XLA may merge them")
+
+  @parameterized.parameters(*XLA_RINGS)
+  def test_gpu_compiler_keeps_the_dots_apart(self, op):
+    if jax.default_backend() != "gpu" or jax.device_count() < 2:
+      self.skipTest("needs 2 GPUs: the dot merging happens in XLA's GPU compiler")
+    mesh = sharding.ring_mesh(2)
+    layout = dict(all_gather=sharding.ALL_GATHER, reduce_scatter=sharding.REDUCE_SCATTER)[op]
+    # Large enough for XLA to call a GEMM.
+    lhs, rhs = ring_operands(op, 2, m_shard=256, k=512, n_shard=256, global_shapes=True)
+    run = sharding.ring_matmul_fn(XLA_RINGS[op], mesh, layout=layout)
+    hlo = run.lower(*sharding.place_operands(lhs, rhs, mesh, layout)).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):].splitlines()
+    # A dot is a cuBLAS call or a Triton GEMM fusion (merged: one of either).
+    dots = [line for line in entry
+            if "calls=%gemm_fusion" in line or 'custom_call_target="__cublas' in line]
+    self.assertLen(dots, 2, "\n".join(dots))
+    self.assertTrue(any("collective-permute-start" in line for line in entry),
+                    "the ring's transfer is not asynchronous")
 
 
 class ValidationTest(parameterized.TestCase):

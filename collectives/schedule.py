@@ -21,6 +21,11 @@ def shard_at_step(device, step, num_devices):
   return (device + step) % num_devices
 
 
+def step_of_shard(device, shard, num_devices):
+  """The step at which device `device` computes LHS shard `shard` (inverts `shard_at_step`)."""
+  return (shard - device) % num_devices
+
+
 def send_target(device, num_devices):
   """The device that receives this device's forwarded shards: its ring predecessor."""
   return (device + num_devices - 1) % num_devices

@@ -15,6 +15,8 @@ class ScheduleTest(parameterized.TestCase):
       shards = [schedule.shard_at_step(device, step, d) for step in range(d)]
       self.assertCountEqual(shards, range(d))
       self.assertEqual(shards[0], device, "step 0 must use the local shard")
+      self.assertEqual([schedule.step_of_shard(device, shard, d) for shard in shards],
+                       list(range(d)))
 
   @parameterized.parameters(*RING_SIZES)
   def test_send_and_receive_are_inverse(self, d):
