@@ -1,6 +1,7 @@
 """Unit tests of core: device facts, layouts, compiler options, SMEM budgets, the switch."""
 
 import os
+import time
 from unittest import mock
 
 import jax
@@ -240,6 +241,32 @@ class CompareRoundsTest(absltest.TestCase):
   def test_round_counts_must_match(self):
     with self.assertRaisesRegex(ValueError, "same number"):
       timing.compare_rounds(self.timings(1, 2), self.timings(1))
+
+
+class TimeWallTest(absltest.TestCase):
+
+  def test_times_each_call_of_each_sample(self):
+    calls = []
+
+    def slow_host_step(x):
+      calls.append(None)
+      time.sleep(0.002)
+      return x
+
+    def fn(x):
+      return jax.pure_callback(slow_host_step, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1
+
+    t, out = timing.time_wall("f", fn, (jnp.zeros(4),), flops=8, iterations=3,
+                              calls_per_sample=4)
+    self.assertLen(calls, 1 + 3 * 4)  # The warm-up call, then the samples.
+    self.assertLen(t.times_us, 3)
+    self.assertGreaterEqual(min(t.times_us), 2000)  # Per call, not per sample.
+    self.assertLess(max(t.times_us), 4 * 2000)
+    self.assertEqual(out.tolist(), [1.0] * 4)
+
+  def test_counts_must_be_positive(self):
+    with self.assertRaisesRegex(ValueError, "calls_per_sample=0 must be >= 1"):
+      timing.time_wall("f", jnp.sin, (jnp.zeros(4),), flops=1, calls_per_sample=0)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""GPU timing for benchmarks and autotuning: warm-up, then CUPTI kernel times.
+"""Timing for benchmarks and autotuning: warm-up, then CUPTI kernel times or wall clock.
 
-Only the device time of the kernels a call launches is counted (Mosaic GPU's
-CUPTI profiler), not host dispatch, so a kernel and its baseline (cuBLAS through
-`jnp.dot`, NCCL collectives) are compared on equal terms.
+`time_gpu` counts only the device time of the kernels a call launches (Mosaic
+GPU's CUPTI profiler), not host dispatch, so a kernel and its baseline (cuBLAS
+through `jnp.dot`, NCCL collectives) are compared on equal terms. CUPTI gives
+each kernel's duration, and their sum is the call's time only while the
+kernels run one after another. A program whose kernels overlap on several
+streams (XLA's asynchronous collectives beside its dots) is timed by
+`time_wall` instead, as are programs on CPUs.
 """
 
 from __future__ import annotations
@@ -65,6 +69,36 @@ def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str
     raise RuntimeError(f"{name}: no GPU kernel was launched")
   return Timing(name=name, config=config, compile_s=compile_s,
                 times_us=tuple(t * 1e3 / num_devices for t in runtimes_ms), flops=flops), out
+
+
+def time_wall(name: str, fn: Callable, args: Sequence, *, flops: int,
+              iterations: int = DEFAULT_ITERATIONS, calls_per_sample: int = 1
+              ) -> tuple[Timing, jax.Array]:
+  """Compiles and warms `fn(*args)` up, then measures wall-clock time per call.
+
+  Each of `iterations` samples issues `calls_per_sample` calls back to back
+  and waits for them all: with several calls the host dispatches the next
+  while the device runs the previous one, so a sample of a device-bound
+  program is its device time, overlapped kernels counted once (launch gaps
+  included, which CUPTI leaves out). With one call per sample the time
+  includes dispatch and synchronization.
+
+  Returns the timing (per call) and the output of the warm-up call.
+  """
+  if iterations < 1 or calls_per_sample < 1:
+    raise ValueError(f"iterations={iterations} and calls_per_sample={calls_per_sample} "
+                     "must be >= 1")
+  jitted = jax.jit(fn)
+  start = time.perf_counter()
+  out = jax.block_until_ready(jitted(*args))
+  compile_s = time.perf_counter() - start
+  times_us = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    jax.block_until_ready([jitted(*args) for _ in range(calls_per_sample)])
+    times_us.append((time.perf_counter() - start) * 1e6 / calls_per_sample)
+  return Timing(name=name, config="", compile_s=compile_s, times_us=tuple(times_us),
+                flops=flops), out
 
 
 def compare_rounds(timings: Sequence[Timing], baseline: Sequence[Timing]) -> dict:

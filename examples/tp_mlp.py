@@ -39,9 +39,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
       + f" --xla_force_host_platform_device_count={SIMULATED_CPU_DEVICES}").strip()
 
 import dataclasses  # noqa: E402 - after the XLA_FLAGS set-up above.
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -53,6 +51,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import collectives  # noqa: E402
 from collectives import sharding  # noqa: E402
+from core import timing  # noqa: E402
 from core.numerics import RELATIVE_TOLERANCE, relative_error_on_device  # noqa: E402
 from pipelines.operands import MatmulProblem  # noqa: E402
 from tools import launch  # noqa: E402
@@ -143,16 +142,6 @@ def random_problem(num_devices: int, shape: Shape, dtype, mesh, seed: int = 0):
   return params, _place(x, X_SPEC, mesh), _place(target, X_SPEC, mesh)
 
 
-def _time_wall_ms(step, args, iterations: int):
-  out = jax.block_until_ready(step(*args))  # Compile and warm up.
-  times = []
-  for _ in range(iterations):
-    start = time.perf_counter()
-    jax.block_until_ready(step(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times), out
-
-
 def implementation_labels(num_devices: int, shape: Shape, dtype, implementation: str) -> str:
   """What each collective matmul of the forward pass runs, as the dispatchers decide."""
   all_gather_impl, reduce_scatter_impl = IMPLEMENTATIONS[implementation]
@@ -176,9 +165,12 @@ def run_row(num_devices: int, shape: Shape, *, dtype=jnp.bfloat16, implementatio
   ours = make_train_step(lambda *a: collective_block(*a, implementation=implementation), mesh,
                          learning_rate)
   xla = make_train_step(xla_block, mesh, learning_rate)
-  ours_ms, (loss, grads, updated) = _time_wall_ms(ours, (params, x, target), iterations)
-  xla_ms, (xla_loss, xla_grads, xla_updated) = _time_wall_ms(xla, (params, x, target),
-                                                             iterations)
+  # One blocking call per sample: a training step ends at the host.
+  ours_t, (loss, grads, updated) = timing.time_wall("ours", ours, (params, x, target),
+                                                    flops=0, iterations=iterations)
+  xla_t, (xla_loss, xla_grads, xla_updated) = timing.time_wall(
+      "xla", xla, (params, x, target), flops=0, iterations=iterations)
+  ours_ms, xla_ms = ours_t.median_us / 1e3, xla_t.median_us / 1e3
   errors = {"loss": abs(float(loss) - float(xla_loss)) / abs(float(xla_loss))}
   for name, got, want in zip(PARAM_NAMES, grads, xla_grads, strict=True):
     errors[f"d {name}"] = relative_error_on_device(got, want)

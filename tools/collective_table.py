@@ -17,6 +17,12 @@ CUPTI sees the kernels of its own process only, so a call's CUPTI total is
 divided by the devices of the ring this process drives (one in a job of one
 process per GPU under `tools.launch`), not by the ring's size. A utilization
 above 100% is refused: it means a time was divided by too many devices.
+Rows of the XLA ring, whose transfers overlap its dots on other streams, are
+timed by wall clock instead, baseline included (`WALL_CLOCK_IMPLEMENTATIONS`):
+CUPTI's sum counts overlapped kernels twice. Wall clock is device time only
+while dispatch keeps ahead of the GPUs, as it does with one process per GPU;
+one process driving several GPUs dispatched this program more slowly (about
+200 us a call on two H200s), so there both times can be dispatch's.
 CPU times are wall-clock medians and only show that the path runs.
 
 `measure_row` measures a row in this process. `measure_rows` on a host's GPUs
@@ -30,11 +36,9 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import jax
@@ -55,6 +59,12 @@ ROUND_LATENCY_US = 6.0
 COLUMNS = ("devices", "implementation", "kernel_us", "kernel_util", "lower_bound_us",
            "lower_bound_util", "baseline_us", "baseline_util", "speedup", "rel_error")
 CPU_ITERATIONS = 5
+# Implementations whose kernels overlap on several streams: on two H200s the
+# sum of the XLA ring's kernel times was 503 us where a call took 170 us.
+WALL_CLOCK_IMPLEMENTATIONS = frozenset({collectives.Implementation.XLA_RING.value})
+# Calls issued back to back per wall-clock sample, so that dispatch overlaps
+# the device work of the call before.
+WALL_CLOCK_CALLS_PER_SAMPLE = 20
 # The program that measures one row in a child process (`python -m`); see measure_rows.
 CHILD_MODULE = "tools.collective_table_child"
 
@@ -110,16 +120,6 @@ class LocalProblem:
     return (d * m, d * k), (d * k, n)
 
 
-def _time_wall(fn, args, iterations: int) -> tuple[float, jax.Array]:
-  out = jax.block_until_ready(fn(*args))  # Compile and warm up.
-  times = []
-  for _ in range(iterations):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e6)
-  return statistics.median(times), out
-
-
 def _float32_reference(mesh, layout: sharding.Layout):
   def ref(lhs, rhs):
     return jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
@@ -154,9 +154,11 @@ def measure_row(num_devices: int, problem: LocalProblem, *, config: TuningConfig
                                 peak_flops=device_facts().dense_16bit_flops)
     row.update(gpu_row)
   else:
-    kernel_us, out = _time_wall(kernel, args, CPU_ITERATIONS)
-    baseline_us, _ = _time_wall(baseline, args, CPU_ITERATIONS)
-    row.update(timer="wall clock (CPU)", kernel_us=kernel_us, baseline_us=baseline_us)
+    kernel_t, out = timing.time_wall("kernel", kernel, args, flops=0, iterations=CPU_ITERATIONS)
+    baseline_t, _ = timing.time_wall("baseline", baseline, args, flops=0,
+                                     iterations=CPU_ITERATIONS)
+    row.update(timer="wall clock (CPU)", kernel_us=kernel_t.median_us,
+               baseline_us=baseline_t.median_us)
   row["speedup"] = row["baseline_us"] / row["kernel_us"]
   row["rel_error"] = relative_error_on_device(out, _float32_reference(mesh, op.layout)(*args))
   row["correct"] = row["rel_error"] <= RELATIVE_TOLERANCE[jnp.dtype(p.dtype)]
@@ -185,16 +187,23 @@ def _gpu_columns(row: dict, problem: LocalProblem, mesh, *, kernel, baseline, ar
   d, p = row["devices"], problem
   flops = p.flops_per_device(d)
   local_devices = local_device_count(mesh, jax.process_index())
-  kernel_t, out = timing.time_gpu("kernel", kernel, args, flops=flops, iterations=iterations,
-                                  num_devices=local_devices)
-  baseline_t, _ = timing.time_gpu("baseline", baseline, args, flops=flops,
+  if row["implementation"] in WALL_CLOCK_IMPLEMENTATIONS:
+    timer = "wall clock"
+    time_call = functools.partial(timing.time_wall, args=args, flops=flops,
+                                  iterations=iterations,
+                                  calls_per_sample=WALL_CLOCK_CALLS_PER_SAMPLE)
+  else:
+    timer = "cupti"
+    time_call = functools.partial(timing.time_gpu, args=args, flops=flops,
                                   iterations=iterations, num_devices=local_devices)
+  kernel_t, out = time_call("kernel", kernel)
+  baseline_t, _ = time_call("baseline", baseline)
   local_args = cli.random_operands(p.m_shard, p.k, p.n_shard, p.dtype, seed=7)
   local_t, _ = timing.time_gpu("local matmul", local_matmul, local_args, flops=flops // d,
                                iterations=iterations)
   lower_us = d * local_t.median_us + ROUND_LATENCY_US * (d - 1)
   processes = len({device.process_index for device in mesh.devices.flat})
-  columns = dict(timer="cupti", processes=processes, local_devices=local_devices,
+  columns = dict(timer=timer, processes=processes, local_devices=local_devices,
                  kernel_us=kernel_t.median_us, baseline_us=baseline_t.median_us,
                  local_matmul_us=local_t.median_us, lower_bound_us=lower_us)
   for name in ("kernel", "baseline", "lower_bound"):

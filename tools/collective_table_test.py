@@ -45,12 +45,23 @@ def cupti_time_gpu(local_devices: int, times_us: dict[str, float]):
   return time_gpu
 
 
-def gpu_columns(num_processes: int, devices_per_process: int, times_us=None):
+def wall_time(times_us: dict[str, float]):
+  """`timing.time_wall` on a call that takes `times_us[name]` microseconds."""
+  def time_wall(name, fn, args, *, flops, iterations, calls_per_sample):
+    del fn, args, iterations, calls_per_sample
+    return timing.Timing(name=name, config="", compile_s=0.0, times_us=(times_us[name],),
+                         flops=flops), "output"
+  return time_wall
+
+
+def gpu_columns(num_processes: int, devices_per_process: int, times_us=None,
+                implementation="mosaic", wall_times_us=None):
   mesh = fake_mesh(num_processes, devices_per_process)
   d = num_processes * devices_per_process
   times_us = times_us or per_device_us(d)
-  row = dict(devices=d, implementation="xla_ring", config="default")
+  row = dict(devices=d, implementation=implementation, config="default")
   with mock.patch.object(timing, "time_gpu", cupti_time_gpu(devices_per_process, times_us)), \
+      mock.patch.object(timing, "time_wall", wall_time(wall_times_us or {})), \
       mock.patch.object(collective_table.jax, "process_index", return_value=0):
     return collective_table._gpu_columns(  # noqa: SLF001
         row, PROBLEM, mesh, kernel=None, baseline=None, args=(), local_matmul=None,
@@ -80,6 +91,20 @@ class GpuColumnsTest(parameterized.TestCase):
     self.assertAlmostEqual(columns["baseline_util"],
                            flops / PEAK_FLOPS / (expected_us["baseline"] * 1e-6))
 
+  def test_the_xla_ring_is_timed_by_wall_clock(self):
+    # Its transfers overlap its dots on other streams, so CUPTI's sum of
+    # kernel times (here 3x the call) would count the overlap twice.
+    cupti_us = dict(per_device_us(2), kernel=510.0)
+    columns, _ = gpu_columns(2, 1, times_us=cupti_us, implementation="xla_ring",
+                             wall_times_us=dict(kernel=170.0, baseline=165.0))
+    self.assertEqual(columns["timer"], "wall clock")
+    self.assertAlmostEqual(columns["kernel_us"], 170.0)
+    self.assertAlmostEqual(columns["baseline_us"], 165.0)
+    # The lower bound is the local matmul's device time either way.
+    self.assertAlmostEqual(columns["local_matmul_us"], cupti_us["local matmul"])
+    columns, _ = gpu_columns(2, 1, implementation="mosaic")
+    self.assertEqual(columns["timer"], "cupti")
+
   def test_the_reported_two_gpu_baseline(self):
     # Dividing by the job's 2 devices printed 74 us and 93% of the peak.
     columns, _ = gpu_columns(2, 1)
@@ -88,7 +113,7 @@ class GpuColumnsTest(parameterized.TestCase):
 
   def test_utilization_above_100_percent_is_refused(self):
     with self.assertRaisesRegex(
-        ValueError, r"row devices=2 \(xla_ring, config default.*\): baseline_util=115\.8% "
+        ValueError, r"row devices=2 \(mosaic, config default.*\): baseline_util=115\.8% "
         r"exceeds 100%.*baseline_us=60\.0"):
       gpu_columns(2, 1, times_us=dict(per_device_us(2), baseline=60.0))
 
