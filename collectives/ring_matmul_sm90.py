@@ -76,7 +76,7 @@ def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, n_tiles: int, e
   sends spread evenly over all the blocks that compute the band. (Sending a
   band from its first N tile alone left those few blocks a step's worth of
   NVLink traffic each, which every block of the peer then waited for: the
-  ring at M_shard 512 took 69 us against 59 us spread.) Must run with
+  ring at M_shard 512 took 70 us against 59 us spread.) Must run with
   `delay_release=SEND_DELAY_RELEASE`.
   """
   def callback(m_tile, n_tile, k_step, lhs_smem, rhs_smem):
