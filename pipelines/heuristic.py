@@ -34,6 +34,14 @@ _HEURISTIC_TILES = (
     (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M), 1.1),
     (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N), 1.5),
 )
+# Decode-size M (at most `_DECODE_MAX_M` rows) also gets a 64x256 CTA tile
+# (two 64x128 warpgroup tiles along N), whose wider RHS stages keep more
+# bytes in flight: at 1x8192x8192 and 16x8192x8192 it ran 13% and 9% faster
+# than 64x128 tiles, in 4 K ranges against 2. At M = 64 it ran 8% slower, for
+# a reason not found, hence the bound (PERFORMANCE.md). Its relative cost per
+# multiply-add lies between the 128x128 and 128x256 tiles' costs.
+_DECODE_TILE = (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N), 1.2)
+_DECODE_MAX_M = 16
 # `_estimated_time_us` models a problem with too few tiles to fill the SMs, on
 # an H200. Its constants were fitted to the split-K and small-output sweeps
 # (PERFORMANCE.md): on each of the 13 problems measured, it chooses the
@@ -53,10 +61,16 @@ _OVERLAP_NORM = 3
 # partials, which it mostly finds in L2 right after the kernel wrote them.
 _SPLIT_SUM_US = 4.0
 _SPLIT_SUM_BYTES_PER_US = 16e6
-# Shortest K range a split gets: below it the fill and drain of each
-# range's pipeline dominate (128x256 tiles at 512x4096x2048: 1024-long
-# ranges ran 13% slower than 128x128 tiles with 2048-long ones).
-_MIN_SPLIT_K = 2048
+# Shortest K range a split gets, by CTA tile: below it the fill and drain of
+# each range's pipeline dominate. Tiles larger than 128x128 fill 3-4 deep
+# pipelines of large stages: in 1024-long ranges they ran 13-17% slower than
+# 128x128 tiles in 2048-long ones (512x4096x2048, 512x8192x1024,
+# 1024x8192x512). Tiles up to 128x128 did well in ranges 512 long, which fill
+# the SMs where the output has few tiles: 1.16-1.40x cuBLAS at 256x16384x256,
+# 128x32768x128, 333x2048x1111, 256x2048x1024 and 64x2048x2048, where
+# 2048-long ranges ran at 0.72-0.99x (PERFORMANCE.md).
+_MIN_SPLIT_K_LARGE_TILE = 2048
+_MIN_SPLIT_K = 512
 # The ping-pong schedule's 128x192 tile, for problems with a short K loop,
 # where the epilogue it hides is a large share of a tile's time: on an H200 it
 # computed each output element 5-9% faster than the cooperative 128x256 tile
@@ -83,13 +97,16 @@ def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig,
 
 def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
   """1, and each split of K into equal whole K steps that keeps one work item
-  per SM and ranges at least `_MIN_SPLIT_K` long."""
+  per SM and ranges at least `_MIN_SPLIT_K` long (`_MIN_SPLIT_K_LARGE_TILE`
+  for CTA tiles larger than 128x128)."""
   k_steps = problem.k // config.tile_k
   num_tiles = _num_tiles(problem, config)
+  min_k = _MIN_SPLIT_K if config.cta_tile_m * config.cta_tile_n <= 128 * 128 else (
+      _MIN_SPLIT_K_LARGE_TILE)
   yield 1
   for splits in range(2, k_steps + 1):
     if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
-        and problem.k // splits >= _MIN_SPLIT_K):
+        and problem.k // splits >= min_k):
       yield splits
 
 
@@ -132,7 +149,10 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41); at
   128x8192x8192, which streams 128 MB of RHS from HBM, 128x128 tiles in 2
   ranges, since each split adds float32 partials to that traffic (1.13x
-  faster than 128x256 tiles in 4).
+  faster than 128x256 tiles in 4). CTA tiles up to 128x128 may split K into
+  ranges as short as 512 (128x32768x128: 64 ranges, 1.32x cuBLAS), larger
+  ones into ranges of 2048 or more. Decode-size M (16 rows or fewer) may
+  also take a 64x256 tile (16x8192x8192: in 4 ranges, 1.03x cuBLAS).
 
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
@@ -162,8 +182,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
                                      has_bias=True).fits()):
       return pingpong
   else:
+    candidates = _HEURISTIC_TILES + ((_DECODE_TILE,) if problem.m <= _DECODE_MAX_M else ())
     options = [(_estimated_time_us(problem, tiles, tile_cost, splits), i, tiles, splits)
-               for i, (tiles, tile_cost) in enumerate(_HEURISTIC_TILES)
+               for i, (tiles, tile_cost) in enumerate(candidates)
                for splits in _k_splits_options(problem, tiles)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
     *_, tiles, splits = min(options, key=lambda option: option[:2])

@@ -129,17 +129,38 @@ class MatmulApiTest(testing.KernelTestCase):
 
   def test_heuristic_splits_long_k_of_small_outputs(self):
     """Where even small tiles leave SMs idle and K is long, K is split so
-    that (tile, K range) pairs make about one wave; each range >= 2048."""
+    that (tile, K range) pairs make about one wave; each range >= 512 for
+    CTA tiles up to 128x128, >= 2048 for larger ones."""
     for (m, k, n), expected in (((512, 16384, 1024), (128, 256, 8)),
                                 ((256, 8192, 4096), (128, 256, 4)),
                                 ((1024, 8192, 1024), (128, 256, 4)),
+                                # 128x256 tiles in 8 ranges of 1024 would fill the
+                                # SMs, but ran 15% slower on an H200.
+                                ((512, 8192, 1024), (128, 128, 4)),
                                 ((512, 4096, 4096), (128, 128, 1)),  # 128 tiles already.
                                 ((1024, 2048, 1024), (64, 128, 1)),  # K too short to split.
+                                # Few output tiles: ranges of 512 fill the SMs.
+                                ((128, 32768, 128), (64, 128, 64)),
+                                ((256, 2048, 1024), (64, 128, 4)),
+                                ((333, 2048, 1111), (128, 128, 4)),
                                 # Bound by HBM (the RHS): fewer partial bytes win.
                                 ((128, 8192, 8192), (128, 128, 2)),
                                 ((128, 16384, 4096), (128, 128, 4))):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
       for out_dtype in (jnp.bfloat16, jnp.float32):
+        config = default_config(problem, out_dtype)
+        self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), expected,
+                         f"{m}x{k}x{n}")
+        kernel_call.check_ws_config(config, problem, out_dtype, has_bias=True)
+
+  def test_heuristic_decode_tile(self):
+    """M of 16 rows or fewer may take 64x256 CTA tiles (more RHS bytes in
+    flight per stage); M = 64 keeps 64x128, which ran faster there."""
+    for (m, k, n), expected in (((1, 8192, 8192), (64, 256, 4)),
+                                ((16, 8192, 8192), (64, 256, 4)),
+                                ((64, 8192, 8192), (64, 128, 2))):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
+      for out_dtype in (jnp.float16, jnp.float32):
         config = default_config(problem, out_dtype)
         self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), expected,
                          f"{m}x{k}x{n}")
