@@ -127,6 +127,17 @@ class MatmulApiTest(testing.KernelTestCase):
       kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k), jnp.float16,
                                   has_bias=True)
 
+  def assert_cta_tile_and_splits(self, shape, dtype, expected):
+    """The heuristic gives `shape` the (CTA tile M, N, k_splits) `expected`, for
+    an output of `dtype` and of float32, and the config runs with a bias."""
+    m, k, n = shape
+    problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(dtype))
+    for out_dtype in (dtype, jnp.float32):
+      config = default_config(problem, out_dtype)
+      self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), expected,
+                       f"{m}x{k}x{n} -> {jnp.dtype(out_dtype).name}")
+      kernel_call.check_ws_config(config, problem, out_dtype, has_bias=True)
+
   def test_heuristic_splits_long_k_of_small_outputs(self):
     """Where even small tiles leave SMs idle and K is long, K is split so
     that (tile, K range) pairs make about one wave; each range >= 512 for
@@ -146,12 +157,7 @@ class MatmulApiTest(testing.KernelTestCase):
                                 # Bound by HBM (the RHS): fewer partial bytes win.
                                 ((128, 8192, 8192), (128, 128, 2)),
                                 ((128, 16384, 4096), (128, 128, 4))):
-      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
-      for out_dtype in (jnp.bfloat16, jnp.float32):
-        config = default_config(problem, out_dtype)
-        self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), expected,
-                         f"{m}x{k}x{n}")
-        kernel_call.check_ws_config(config, problem, out_dtype, has_bias=True)
+      self.assert_cta_tile_and_splits((m, k, n), jnp.bfloat16, expected)
 
   def test_heuristic_decode_tile(self):
     """M of 16 rows or fewer may take 64x256 CTA tiles (more RHS bytes in
@@ -159,12 +165,7 @@ class MatmulApiTest(testing.KernelTestCase):
     for (m, k, n), expected in (((1, 8192, 8192), (64, 256, 4)),
                                 ((16, 8192, 8192), (64, 256, 4)),
                                 ((64, 8192, 8192), (64, 128, 2))):
-      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
-      for out_dtype in (jnp.float16, jnp.float32):
-        config = default_config(problem, out_dtype)
-        self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), expected,
-                         f"{m}x{k}x{n}")
-        kernel_call.check_ws_config(config, problem, out_dtype, has_bias=True)
+      self.assert_cta_tile_and_splits((m, k, n), jnp.float16, expected)
 
   def test_heuristic_stages(self):
     """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
