@@ -61,14 +61,16 @@ _OVERLAP_NORM = 3
 # partials, which it mostly finds in L2 right after the kernel wrote them.
 _SPLIT_SUM_US = 4.0
 _SPLIT_SUM_BYTES_PER_US = 16e6
-# Shortest K range a split gets, by CTA tile: below it the fill and drain of
-# each range's pipeline dominate. Tiles larger than 128x128 fill 3-4 deep
-# pipelines of large stages: in 1024-long ranges they ran 13-17% slower than
-# 128x128 tiles in 2048-long ones (512x4096x2048, 512x8192x1024,
-# 1024x8192x512). Tiles up to 128x128 did well in ranges 512 long, which fill
-# the SMs where the output has few tiles: 1.16-1.40x cuBLAS at 256x16384x256,
-# 128x32768x128, 333x2048x1111, 256x2048x1024 and 64x2048x2048, where
-# 2048-long ranges ran at 0.72-0.99x (PERFORMANCE.md).
+# Shortest K range a split gets, by CTA tile width: below it the fill and
+# drain of each range's pipeline dominate. Tiles wider than 128 columns fill
+# pipelines of large RHS stages: in 1024-long ranges the 128x256 tile ran
+# 13-17% slower than 128x128 tiles in 2048-long ones (512x4096x2048,
+# 512x8192x1024, 1024x8192x512), the 64x256 decode tile 3-7% slower than in
+# 2048-long ones (1x8192x4096, 16x8192x4096). Tiles up to 128 wide did well
+# in ranges 512 long, which fill the SMs where the output has few tiles:
+# 1.16-1.40x cuBLAS at 256x16384x256, 128x32768x128, 333x2048x1111,
+# 256x2048x1024 and 64x2048x2048, where 2048-long ranges ran at 0.72-0.99x
+# (PERFORMANCE.md).
 _MIN_SPLIT_K_LARGE_TILE = 2048
 _MIN_SPLIT_K = 512
 # The ping-pong schedule's 128x192 tile, for problems with a short K loop,
@@ -98,11 +100,10 @@ def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig,
 def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
   """1, and each split of K into equal whole K steps that keeps one work item
   per SM and ranges at least `_MIN_SPLIT_K` long (`_MIN_SPLIT_K_LARGE_TILE`
-  for CTA tiles larger than 128x128)."""
+  for CTA tiles wider than 128)."""
   k_steps = problem.k // config.tile_k
   num_tiles = _num_tiles(problem, config)
-  min_k = _MIN_SPLIT_K if config.cta_tile_m * config.cta_tile_n <= 128 * 128 else (
-      _MIN_SPLIT_K_LARGE_TILE)
+  min_k = _MIN_SPLIT_K if config.cta_tile_n <= 128 else _MIN_SPLIT_K_LARGE_TILE
   yield 1
   for splits in range(2, k_steps + 1):
     if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
@@ -149,8 +150,8 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41); at
   128x8192x8192, which streams 128 MB of RHS from HBM, 128x128 tiles in 2
   ranges, since each split adds float32 partials to that traffic (1.13x
-  faster than 128x256 tiles in 4). CTA tiles up to 128x128 may split K into
-  ranges as short as 512 (128x32768x128: 64 ranges, 1.32x cuBLAS), larger
+  faster than 128x256 tiles in 4). CTA tiles up to 128 wide may split K into
+  ranges as short as 512 (128x32768x128: 64 ranges, 1.32x cuBLAS), wider
   ones into ranges of 2048 or more. Decode-size M (16 rows or fewer) may
   also take a 64x256 tile (16x8192x8192: in 4 ranges, 1.03x cuBLAS).
 
