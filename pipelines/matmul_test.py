@@ -141,7 +141,7 @@ class MatmulApiTest(testing.KernelTestCase):
   def test_heuristic_splits_long_k_of_small_outputs(self):
     """Where even small tiles leave SMs idle and K is long, K is split so
     that (tile, K range) pairs make about one wave; each range >= 512 for
-    CTA tiles up to 128x128, >= 2048 for larger ones."""
+    CTA tiles up to 128 wide, >= 2048 for wider ones."""
     for (m, k, n), expected in (((512, 16384, 1024), (128, 256, 8)),
                                 ((256, 8192, 4096), (128, 256, 4)),
                                 ((1024, 8192, 1024), (128, 256, 4)),
