@@ -37,9 +37,10 @@ _HEURISTIC_TILES = (
 # Decode-size M (at most `_DECODE_MAX_M` rows) also gets a 64x256 CTA tile
 # (two 64x128 warpgroup tiles along N), whose wider RHS stages keep more
 # bytes in flight: at 1x8192x8192 and 16x8192x8192 it ran 13% and 9% faster
-# than 64x128 tiles, in 4 K ranges against 2. At M = 64 it ran 8% slower, for
-# a reason not found, hence the bound (PERFORMANCE.md). Its relative cost per
-# multiply-add lies between the 128x128 and 128x256 tiles' costs.
+# than 64x128 tiles, in 4 K ranges against 2. At M = 64 it ran 8% slower; at
+# M = 24-48 it gained 2-3% on two shapes and lost 3-10% on three, for a reason
+# not found, hence the bound (PERFORMANCE.md). Its relative cost per multiply-add lies
+# between the 128x128 and 128x256 tiles' costs.
 _DECODE_TILE = (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N), 1.2)
 _DECODE_MAX_M = 16
 # `_estimated_time_us` models a problem with too few tiles to fill the SMs, on
@@ -71,7 +72,7 @@ _SPLIT_SUM_BYTES_PER_US = 16e6
 # 1.16-1.40x cuBLAS at 256x16384x256, 128x32768x128, 333x2048x1111,
 # 256x2048x1024 and 64x2048x2048, where 2048-long ranges ran at 0.72-0.99x
 # (PERFORMANCE.md).
-_MIN_SPLIT_K_LARGE_TILE = 2048
+_MIN_SPLIT_K_WIDE_TILE = 2048
 _MIN_SPLIT_K = 512
 # The ping-pong schedule's 128x192 tile, for problems with a short K loop,
 # where the epilogue it hides is a large share of a tile's time: on an H200 it
@@ -99,11 +100,11 @@ def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig,
 
 def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
   """1, and each split of K into equal whole K steps that keeps one work item
-  per SM and ranges at least `_MIN_SPLIT_K` long (`_MIN_SPLIT_K_LARGE_TILE`
+  per SM and ranges at least `_MIN_SPLIT_K` long (`_MIN_SPLIT_K_WIDE_TILE`
   for CTA tiles wider than 128)."""
   k_steps = problem.k // config.tile_k
   num_tiles = _num_tiles(problem, config)
-  min_k = _MIN_SPLIT_K if config.cta_tile_n <= 128 else _MIN_SPLIT_K_LARGE_TILE
+  min_k = _MIN_SPLIT_K if config.cta_tile_n <= 128 else _MIN_SPLIT_K_WIDE_TILE
   yield 1
   for splits in range(2, k_steps + 1):
     if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
