@@ -350,6 +350,18 @@ class CollectiveInterpretTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
     self.assertFalse(interpret.races_found())
 
+  def test_threads_compile_their_program_once_per_cpu_device(self):
+    # 2 devices x 8 blocks x 3 warpgroups: 48 simulated threads, 24 per CPU
+    # device. Each thread used to compile the program itself, all at once.
+    mesh = _mesh(2)
+    x = _sharded_input(7, mesh)
+    compile_ = jax.stages.Lowered.compile
+    with mock.patch.object(jax.stages.Lowered, "compile", autospec=True,
+                           side_effect=compile_) as compiled:
+      (out,) = _run(_per_slot_waits(2, num_blocks=8), mesh, x, num_outputs=1)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    self.assertEqual(compiled.call_count, 48 // thread_pool.THREADS_PER_CPU_DEVICE)
+
   def test_too_small_xla_pool_is_refused(self):
     mesh = _mesh(4)
     x = _sharded_input(6, mesh)

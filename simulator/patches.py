@@ -18,8 +18,9 @@ wrapping interpreter functions; each is commented where `install` makes it:
     of each grid step, so that race detection spans devices: a TMA write into
     a peer's buffer is checked against the peer's own accesses with the
     interpreter's vector clocks;
-  * simulated threads are spread over the CPU devices (`thread_pool`), and a
-    kernel with more of them than XLA can run is refused.
+  * simulated threads are spread over the CPU devices (`thread_pool`), each
+    device compiles their program once, and a kernel with more of them than
+    XLA can run is refused.
 
 A kernel without semaphores or peer refs is interpreted as before, except
 that on several devices they start and finish each grid step together.
@@ -32,9 +33,11 @@ import functools
 import logging
 import math
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import callback
 from jax._src import config as jax_config
 from jax._src.pallas.mosaic.interpret import thread_map
@@ -94,8 +97,8 @@ def install() -> None:
     # Each simulated thread is an XLA execution, on the default CPU device; XLA
     # runs at most 32 at once per device and queues the rest, so a kernel
     # whose blocks all run concurrently deadlocks beyond that. Spread them
-    # over the CPU devices.
-    thread_map._run_jaxpr = _spread_over_cpu_devices(thread_map._run_jaxpr)  # noqa: SLF001
+    # over the CPU devices, and compile each thread program once per device.
+    thread_map._run_jaxpr = _run_jaxpr_compiled_once  # noqa: SLF001
     # The interpreter has no case for semaphore primitives (they fall through
     # to `bind`, which fails). We rewrite their equations into `inline_mgpu`
     # equations tagged as ours: that case receives the token, which orders
@@ -165,12 +168,44 @@ def _wrap_interpret_pallas_call(original):
   return interpret_pallas_call
 
 
-def _spread_over_cpu_devices(original):
-  @functools.wraps(original)
-  def _run_jaxpr(jaxpr, consts, *args):
-    with thread_pool.on_least_busy_cpu_device():
-      return original(jaxpr, consts, *args)
-  return _run_jaxpr
+class _CompiledThreadPrograms:
+  """The compiled program of each simulated thread, one per (jaxpr, CPU device, avals).
+
+  All simulated threads of a kernel start at once with the same jaxpr, and
+  jax's own caches do not hold back threads that miss together: each thread
+  compiled the program again, about a second of CPU each. A 4-device ring of
+  4 blocks (48 threads) then started its last threads seconds after its
+  first, and on a loaded 2-core machine late enough for their peers'
+  semaphore waits to time out. Here the first thread compiles and the others
+  of the same key wait for it.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    # jaxpr -> {(device id, avals): [lock, compiled or None]}; an entry goes
+    # with its jaxpr, which lives as long as the kernel's traced program.
+    self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+  def get(self, jaxpr, device, consts, args):
+    avals = tuple((np.shape(x), np.result_type(x)) for x in jax.tree.leaves((consts, args)))
+    with self._lock:
+      slot = self._programs.setdefault(jaxpr, {}).setdefault(
+          (device.id, avals), [threading.Lock(), None])
+    with slot[0]:
+      if slot[1] is None:  # Also after a failed compilation, which raised in its thread.
+        slot[1] = jax.jit(thread_map._run, static_argnums=(0,)).trace(  # noqa: SLF001
+            jaxpr, consts, *args).lower().compile()
+      return slot[1]
+
+
+_compiled_thread_programs = _CompiledThreadPrograms()
+
+
+def _run_jaxpr_compiled_once(jaxpr, consts, *args):
+  """`thread_map._run_jaxpr`: runs a simulated thread on a CPU device with room
+  for it, with the program compiled once per device (`_CompiledThreadPrograms`)."""
+  with thread_pool.on_cpu_device_with_room() as device:
+    _compiled_thread_programs.get(jaxpr, device, consts, args)(consts, *args)
 
 
 def _wrap_device_barrier(original):

@@ -14,7 +14,7 @@ thread its callback runs on. Two limits of XLA's CPU client matter:
     `check_intra_op_pool` refuses a kernel that could exhaust the pool it got.
   * It runs at most 32 executions at once per CPU device and queues the rest,
     so simulated threads are spread over the CPU devices
-    (`on_least_busy_cpu_device`), at most `THREADS_PER_CPU_DEVICE` on each.
+    (`on_cpu_device_with_room`), at most `THREADS_PER_CPU_DEVICE` on each.
 
 Nothing here runs on import: a test program calls `reserve_intra_op_threads()`
 before it touches jax's devices, or its environment sets `PJRT_NPROC`.
@@ -113,19 +113,24 @@ _threads_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def on_least_busy_cpu_device():
-  """Runs the simulated thread started in the block on a CPU device with room for it."""
+def on_cpu_device_with_room():
+  """Runs the simulated thread started in the block on a CPU device with room for it.
+
+  Yields that device (also jax's default device inside the block): the first
+  with fewer than `THREADS_PER_CPU_DEVICE` simulated threads, else the least
+  busy. Filling devices in order keeps a kernel's threads on few devices,
+  and each device compiles the threads' program again.
+  """
   devices = jax.local_devices(backend="cpu")
   with _threads_lock:
-    # The first device as long as it has room: another device means
-    # compiling the thread's jaxpr again.
-    device = devices[0]
-    if _threads_on_device[device.id] >= THREADS_PER_CPU_DEVICE:
+    device = next((d for d in devices if _threads_on_device[d.id] < THREADS_PER_CPU_DEVICE),
+                  None)
+    if device is None:
       device = min(devices, key=lambda d: _threads_on_device[d.id])
     _threads_on_device[device.id] += 1
   try:
     with jax.default_device(device):
-      yield
+      yield device
   finally:
     with _threads_lock:
       _threads_on_device[device.id] -= 1
