@@ -44,6 +44,14 @@ class Timing:
     return _tflops(self.flops, self.median_us)
 
 
+def _compile(fn: Callable, args: Sequence) -> tuple[Callable, jax.Array, float]:
+  """(jitted fn, the output of its first call, seconds that call took: compile and run)."""
+  jitted = jax.jit(fn)
+  start = time.perf_counter()
+  out = jax.block_until_ready(jitted(*args))
+  return jitted, out, time.perf_counter() - start
+
+
 def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str = "",
              iterations: int = DEFAULT_ITERATIONS, num_devices: int = 1
              ) -> tuple[Timing, jax.Array]:
@@ -58,10 +66,7 @@ def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str
   """
   from jax.experimental.mosaic.gpu import profiler  # Needs CUDA; import late.
 
-  jitted = jax.jit(fn)
-  start = time.perf_counter()
-  out = jax.block_until_ready(jitted(*args))
-  compile_s = time.perf_counter() - start
+  jitted, out, compile_s = _compile(fn, args)
   for _ in range(3):
     jax.block_until_ready(jitted(*args))
   _, runtimes_ms = profiler.measure(jitted, iterations=iterations)(*args)
@@ -88,10 +93,7 @@ def time_wall(name: str, fn: Callable, args: Sequence, *, flops: int,
   if iterations < 1 or calls_per_sample < 1:
     raise ValueError(f"iterations={iterations} and calls_per_sample={calls_per_sample} "
                      "must be >= 1")
-  jitted = jax.jit(fn)
-  start = time.perf_counter()
-  out = jax.block_until_ready(jitted(*args))
-  compile_s = time.perf_counter() - start
+  jitted, out, compile_s = _compile(fn, args)
   times_us = []
   for _ in range(iterations):
     start = time.perf_counter()

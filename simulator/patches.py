@@ -173,11 +173,9 @@ class _CompiledThreadPrograms:
 
   All simulated threads of a kernel start at once with the same jaxpr, and
   jax's own caches do not hold back threads that miss together: each thread
-  compiled the program again, about a second of CPU each. A 4-device ring of
-  4 blocks (48 threads) then started its last threads seconds after its
-  first, and on a loaded 2-core machine late enough for their peers'
-  semaphore waits to time out. Here the first thread compiles and the others
-  of the same key wait for it.
+  compiled the program again, about a second of CPU each, so a 4-device ring
+  of 4 blocks (48 threads) started its last threads seconds after its first.
+  Here the first thread compiles and the others of the same key wait for it.
   """
 
   def __init__(self):
