@@ -15,6 +15,7 @@ from core.memory import (
     smem,
     swizzle_bytes,
     tile_transforms,
+    tma_copies_in_place,
     tma_swizzle,
 )
 from core.smem_budget import SmemBudget, SmemBuffer
@@ -24,5 +25,5 @@ __all__ = [
     "SmemBudget", "SmemBuffer", "accumulator", "barrier", "compiler_params", "device_facts",
     "has_gpu", "interpret_mode", "interpret_params", "is_interpreting", "races_found",
     "require_space", "sequential_grid_semantics", "smem", "swizzle_bytes", "tile_transforms",
-    "tma_swizzle",
+    "tma_copies_in_place", "tma_swizzle",
 ]

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from core import jax_private
+
 # Mosaic GPU tracks the phases of an array of barriers in one 32-bit mask.
 MAX_BARRIERS_PER_ARRAY = 32
 
@@ -101,7 +103,12 @@ def compiler_params(
     max_concurrent_steps: pipeline depth of the `pl.pallas_call` path.
     profile_dir, profile_space: Mosaic GPU's in-kernel profiler; set both or
       neither. Default to `MGPU_PROFILE_DIR`/`MGPU_PROFILE_SPACE`.
+
+  Also makes Mosaic GPU copy tiles one swizzle segment wide as 2D boxes
+  (`jax_private.copy_one_segment_tiles_as_boxes`), which the padding rules of
+  the kernel wrappers (`core.tma_copies_in_place`) count on.
   """
+  jax_private.copy_one_segment_tiles_as_boxes()
   if reduction_scratch_bytes is not None and reduction_scratch_bytes < 0:
     raise ValueError(f"reduction_scratch_bytes must be >= 0, got {reduction_scratch_bytes}")
   if dimension_semantics is not None:

@@ -7,6 +7,8 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import core
@@ -32,6 +34,23 @@ class MemoryTest(parameterized.TestCase):
                             (128, jnp.float32, 128), (96, jnp.float16, 64))
   def test_widest_swizzle(self, minor, dtype, expected):
     self.assertEqual(memory.swizzle_bytes(minor, dtype), expected)
+
+  @parameterized.parameters(
+      # (tile, array) minor dimensions in float16; the (M, K) LHS first.
+      (((64, 256), (4096, 4096)), 128),
+      (((64, 256), (48, 2048)), 128),  # K = 48: one-segment LHS tiles go as boxes.
+      (((64, 256), (4096, 4000)), 64),  # N = 4000 of the RHS.
+      (((64, 256), (48, 2000)), 32),  # At 32 bytes the LHS tile is two segments.
+      (((64,), (3000,)), 128),  # A 16-bit output under 64-column epilogue tiles.
+      (((128,), (3000,)), None),  # The same output under 128-column ones.
+      (((64,), (13,)), None))  # Rows off 16 bytes.
+  def test_swizzle_for_tiles_and_arrays(self, dims, expected):
+    tiles, arrays = dims
+    if expected is None:
+      with self.assertRaisesRegex(ValueError, "no swizzle fits"):
+        memory.tma_swizzle(tiles, arrays, jnp.float16)
+    else:
+      self.assertEqual(memory.tma_swizzle(tiles, arrays, jnp.float16), expected)
 
   def test_transforms(self):
     tiling, swizzle = memory.tile_transforms(64, jnp.float16)
@@ -177,6 +196,51 @@ class RaceDetectorTest(parameterized.TestCase):
       jax.block_until_ready(_copy_then_read(wait_for_writes=True))
     self.assertFalse(interpret.races_found())
     self.assertEqual([state.races_found for state in states], [True, False])
+
+
+def _copy_through_smem(x: jax.Array) -> jax.Array:
+  """x (M, K) of a 16-bit dtype, copied by TMA through (16, 64) swizzled SMEM
+  tiles (one segment of the 128-byte swizzle wide), one tile per block."""
+  rows, cols = 16, 64
+
+  def kernel(x_gmem, out_gmem, tile, loaded):
+    window = (pl.ds(lax.axis_index("m") * rows, rows), pl.ds(lax.axis_index("k") * cols, cols))
+    plgpu.copy_gmem_to_smem(x_gmem.at[window], tile, loaded)
+    plgpu.barrier_wait(loaded)
+    plgpu.copy_smem_to_gmem(tile, out_gmem.at[window])
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      grid=(pl.cdiv(x.shape[0], rows), pl.cdiv(x.shape[1], cols)),
+                      grid_names=("m", "k"),
+                      scratch_types=[memory.smem((rows, cols), x.dtype, swizzled=True),
+                                     memory.barrier()],
+                      compiler_params=compiler.compiler_params(),
+                      interpret=interpret.interpret_params())(x)
+
+
+class BoxedCopyTest(testing.KernelTestCase):
+  """Tiles one swizzle segment wide reach arrays whose rows are off 8 and
+  columns off 64 (`jax_private.copy_one_segment_tiles_as_boxes`), which
+  Mosaic GPU's tiled TMA copies refuse; TMA masks the ragged edges."""
+
+  @parameterized.parameters(((13, 40), jnp.float16), ((130, 200), jnp.bfloat16),
+                            ((16, 64), jnp.float16))
+  def test_ragged_arrays_round_trip(self, shape, dtype):
+    x = testing.random_array(5, shape, dtype)
+    out = self.run_kernel(jax.jit(_copy_through_smem), x)
+    self.assertEqual(jnp.abs(out.astype(jnp.float32) - x.astype(jnp.float32)).max(), 0.0)
+
+  def test_ragged_arrays_lower_for_the_gpu(self):
+    """On CPU, lowered for an H200, where Mosaic GPU checks each TMA copy."""
+    if self.backend == testing.GPU:
+      self.skipTest("checks the lowering on CPU")
+    x = jax.ShapeDtypeStruct((13, 40), jnp.float16)
+    # A function of its own, so that jit's cache keeps this trace from the other tests.
+    lowered = jax.jit(lambda x: _copy_through_smem(x))
+    with interpret.interpret_disabled():
+      text = lowered.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1)
 
 
 class KernelTestCaseTest(testing.KernelTestCase):

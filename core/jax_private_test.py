@@ -19,6 +19,7 @@ class VersionGuardTest(parameterized.TestCase):
       ("artificial_shared_memory_limit",
        lambda: jax_private.artificial_shared_memory_limit(0)),
       ("detach_coordination_service", jax_private.detach_coordination_service),
+      ("copy_one_segment_tiles_as_boxes", jax_private.copy_one_segment_tiles_as_boxes),
   )
   def test_other_jax_versions_are_refused_by_name(self, call):
     with mock.patch.object(jax, "__version__", "0.12.0"), self.assertRaisesRegex(

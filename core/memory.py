@@ -31,7 +31,8 @@ REGS = plgpu.REGS
 SWIZZLE_BYTES = (128, 64, 32)
 # Rows of the (8, swizzle) tiles that wgmma operands are laid out in.
 TILE_ROWS = 8
-# TMA moves whole 16-byte units along the minor dimension.
+# TMA moves whole 16-byte units along the minor dimension, and each array row
+# it reads or writes must start at a multiple of 16 bytes.
 TMA_MIN_BYTES = 16
 HOPPER_MEMORY_SPACES = (GMEM, SMEM, REGS)
 
@@ -67,24 +68,45 @@ def swizzle_elems(minor_dim: int, dtype, *, what: str = "tile") -> int:
   return swizzle_bytes(minor_dim, dtype, what=what) // jnp.dtype(dtype).itemsize
 
 
+def tma_copies_in_place(tile_minor: int, array_minor: int, dtype, swizzle: int) -> bool:
+  """Whether TMA copies SMEM tiles `tile_minor` elements wide, swizzled by
+  `swizzle` bytes, to or from a GMEM array whose minor dimension is
+  `array_minor`, with no padding of the array.
+
+  Mosaic GPU tiles the array like the SMEM tile, so the swizzle's row
+  segment must divide the array's minor dimension (and 8 its major one).
+  A tile one segment wide is copied as a plain 2D box instead
+  (`core.jax_private.copy_one_segment_tiles_as_boxes`), which TMA masks at any
+  edge: it needs only each row to start at a multiple of `TMA_MIN_BYTES`.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  if tile_minor * itemsize == swizzle:
+    return array_minor * itemsize % TMA_MIN_BYTES == 0
+  return array_minor * itemsize % swizzle == 0
+
+
 def tma_swizzle(tile_minor_dims, array_minor_dims, dtype) -> int:
   """The widest swizzle (bytes) for SMEM tiles that TMA copies to or from GMEM arrays.
 
-  Mosaic GPU's TMA tiles a GMEM array exactly as its SMEM tile, so the
-  swizzle's row segment must divide both the tiles' minor dimensions and the
-  whole arrays' (`tile_minor_dims`, `array_minor_dims`, in elements of
-  `dtype`). The widest swizzle is the fastest; a narrower one lets an array
-  whose minor dimension is off 128 bytes be read in place rather than copied
-  into a padded one. Raises `ValueError` where even 32 bytes do not divide.
+  `tile_minor_dims[i]` is the minor dimension (elements of `dtype`) of the
+  tiles copied to or from the array whose minor dimension is
+  `array_minor_dims[i]`. The swizzle's row segment must divide every tile's
+  minor dimension, and TMA must copy each tile in place
+  (`tma_copies_in_place`). The widest swizzle is the fastest; a narrower one
+  lets an array whose minor dimension is off 128 bytes be read in place
+  rather than copied into a padded one. Raises `ValueError` where even
+  32 bytes do not fit.
   """
   itemsize = jnp.dtype(dtype).itemsize
-  dims = (*tile_minor_dims, *array_minor_dims)
+  pairs = tuple(zip(tile_minor_dims, array_minor_dims, strict=True))
   for swizzle in SWIZZLE_BYTES:
-    if all(d * itemsize % swizzle == 0 for d in dims):
+    if all(tile * itemsize % swizzle == 0 and tma_copies_in_place(tile, array, dtype, swizzle)
+           for tile, array in pairs):
       return swizzle
   raise ValueError(
-      f"no swizzle fits minor dimensions {dims} of {jnp.dtype(dtype).name}: TMA tiles need "
-      f"multiples of {min(SWIZZLE_BYTES) // itemsize} elements ({min(SWIZZLE_BYTES)} bytes)")
+      f"no swizzle fits (tile, array) minor dimensions {pairs} of {jnp.dtype(dtype).name}: "
+      f"TMA tiles need multiples of {min(SWIZZLE_BYTES) // itemsize} elements "
+      f"({min(SWIZZLE_BYTES)} bytes)")
 
 
 def tile_transforms(minor_dim: int, dtype, *, what: str = "tile",
