@@ -124,7 +124,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   K step with zeros. But each array's major dimension must be a multiple of
   8 and its minor one of 32 bytes (the tiles take the widest swizzle the
   minor dimensions allow, `config.operand_swizzle`), a minor M or N at least the
-  CTA tile's (`operands.tma_sizes`), and with `config.k_splits` > 1, K a
+  CTA tile's (`operands.tma_sizes`), except for arrays whose tiles are one
+  swizzle segment wide, which are copied as 2D boxes and need only rows on
+  16 bytes (`core.tma_copies_in_place`); and with `config.k_splits` > 1, K a
   multiple of `config.tile_k` times `config.k_splits`. K is the LHS's; the
   RHS may hold more or fewer rows of K (padded or not), since what lies past
   either array's end reads as zeros. `kernel_call.check_ws_config` checks

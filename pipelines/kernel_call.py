@@ -137,7 +137,10 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   to a multiple of 128 bytes, unless the kernel reading it in place with a
   narrower swizzle is modelled faster (never where it is off 32 bytes); with
   `config.k_splits` > 1, K to a multiple of `config.tile_k * config.k_splits`.
-  TMA fills a partial last K step with zeros.
+  Arrays whose tiles are one swizzle segment wide (the (M, K) LHS under
+  64-element float16 K steps, a 16-bit output under 64-column epilogue
+  tiles) are copied as 2D boxes, which need no padding unless their rows are
+  off 16 bytes. TMA fills a partial last K step with zeros.
 
   Args:
     lhs: (M, K) float16 or bfloat16, or (K, M) with `layout.transpose_lhs`.
@@ -166,7 +169,8 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   k_multiple = config.tile_k * config.k_splits if config.k_splits > 1 else 1
   store_dtype = config.store_dtype(out_dtype)
   sizes = operands.tma_sizes(problem, out_dtype=store_dtype, k_multiple=k_multiple,
-                             tile_m=config.cta_tile_m, tile_n=config.cta_tile_n)
+                             tile_m=config.cta_tile_m, tile_n=config.cta_tile_n,
+                             tile_k=config.tile_k, out_tile_n=config.epi_tile_n)
   lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, sizes)
   padded_m, padded_n = sizes.out
   m, n = problem.m, problem.n
@@ -221,7 +225,8 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
                 swizzle_bytes(config.tile_n, problem.dtype),
                 swizzle_bytes(config.tile_n, out_dtype))
   sizes = operands.tma_sizes(problem, out_dtype=out_dtype, k_multiple=config.tile_k,
-                             tile_m=config.tile_m, tile_n=config.tile_n, swizzles=(swizzle,))
+                             tile_m=config.tile_m, tile_n=config.tile_n, tile_k=config.tile_k,
+                             out_tile_n=config.tile_n, swizzles=(swizzle,))
   lhs, rhs, _ = operands.pad_operands(lhs, rhs, None, sizes)
   padded_m, padded_n = sizes.out
   m, n = problem.m, problem.n

@@ -68,29 +68,45 @@ class MatmulApiTest(testing.KernelTestCase):
   def test_operands_are_copied_only_where_it_pays(self):
     """`tma_sizes` pads an operand whose minor dimension is off 128 bytes
     where the copy costs less than a narrower swizzle would slow the main
-    loop: the small (M, 80) LHS of a long N, not the 65 MB (8192, 4000) RHS
-    of a decode-size M. A major dimension needs only 8 rows (K = 80 of the
-    RHS); a minor one off 32 bytes is always padded (N = 3000)."""
-    f16 = jnp.dtype(jnp.float16)
-    for (m, k, n), expected in (
-        ((4096, 80, 4096), ((4096, 128), (80, 4096), (4096, 4096))),
-        ((4096, 4112, 4096), ((4096, 4160), (4112, 4096), (4096, 4096))),
-        ((100, 8192, 4000), ((104, 8192), (8192, 4000), (104, 4000))),
-        ((4096, 4096, 4000), ((4096, 4096), (4096, 4032), (4096, 4000))),
-        ((1000, 4096, 3000), ((1000, 4096), (4096, 3008), (1000, 3008)))):
-      sizes = ops.tma_sizes(ops.MatmulProblem(m=m, k=k, n=n, dtype=f16), out_dtype=f16,
-                            k_multiple=1, tile_m=128, tile_n=256)
-      self.assertEqual((sizes.lhs, sizes.rhs, sizes.out), expected, f"{m}x{k}x{n}")
+    loop: the small LHS of a long N, not the 65 MB (8192, 4000) RHS of a
+    decode-size M (whose 64-byte swizzle makes the LHS tiles two segments
+    wide, so its M = 100 is padded). A major dimension needs only 8 rows
+    (K = 80 of the RHS); a minor one off 32 bytes is always padded
+    (N = 3000 and 2500 of the RHS). Arrays whose tiles are one segment wide
+    (the (M, K) and (N, K) operands, 16-bit outputs) are copied as boxes,
+    unpadded, unless their rows are off 16 bytes (N = 2500)."""
+    f16, f32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
+    nt = ops.OperandLayout(transpose_rhs=True)
+    tn = ops.OperandLayout(transpose_lhs=True)
+    for (m, k, n), layout, out_dtype, expected in (
+        ((4096, 80, 4096), ops.NN, f16, ((4096, 80), (80, 4096), (4096, 4096))),
+        ((4096, 4112, 4096), ops.NN, f16, ((4096, 4112), (4112, 4096), (4096, 4096))),
+        ((100, 8192, 4000), ops.NN, f16, ((104, 8192), (8192, 4000), (100, 4000))),
+        ((4096, 4096, 4000), ops.NN, f16, ((4096, 4096), (4096, 4032), (4096, 4000))),
+        ((1000, 4096, 3000), ops.NN, f16, ((1000, 4096), (4096, 3008), (1000, 3000))),
+        ((4999, 4096, 2500), ops.NN, f16, ((4999, 4096), (4096, 2560), (5000, 2560))),
+        ((1, 8192, 8192), ops.NN, f16, ((1, 8192), (8192, 8192), (1, 8192))),
+        ((2048, 48, 2048), ops.NN, f16, ((2048, 48), (48, 2048), (2048, 2048))),
+        ((1000, 4096, 3000), nt, f16, ((1000, 4096), (3000, 4096), (1000, 3000))),
+        ((100, 4096, 4096), tn, f16, ((4096, 128), (4096, 4096), (100, 4096))),
+        ((1001, 4096, 4096), ops.NN, f32, ((1001, 4096), (4096, 4096), (1008, 4096)))):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=f16, layout=layout)
+      sizes = ops.tma_sizes(problem, out_dtype=out_dtype, k_multiple=1, tile_m=128, tile_n=256,
+                            tile_k=64, out_tile_n=64)
+      self.assertEqual((sizes.lhs, sizes.rhs, sizes.out), expected,
+                       f"{m}x{k}x{n} {layout.name} {out_dtype.name}")
 
   def test_operands_read_in_place_lower_for_the_gpu(self):
     """Lowered for an H200 (on CPU, so Mosaic GPU checks every TMA against
     its arrays, swizzle and all): only the operands `tma_sizes` pads are
-    copied."""
+    copied, and the ragged edges of the LHS and output are copied as boxes."""
     if jax.default_backend() == "gpu":
       self.skipTest("checks the lowering on CPU")
     for (m, k, n), layout, pads in (((104, 8192, 4000), base.NN, 0),  # RHS: 64-byte swizzle.
                                     ((160, 4096, 176), base.LAYOUTS[3], 0),  # LHS: 64 bytes.
-                                    ((4096, 80, 4096), base.NN, 1),  # The LHS.
+                                    ((4096, 80, 4096), base.NN, 0),  # LHS K as boxes.
+                                    ((100, 4096, 1000), base.NN, 1),  # RHS; LHS M, output N boxes.
+                                    ((333, 48, 1000), base.LAYOUTS[1], 0),  # (N, K) RHS.
                                     ((104, 4096, 3000), base.NN, 1)):  # The RHS.
       lhs, rhs = base.operands(47, m, k, n, jnp.float16, layout)
       run = jax.jit(functools.partial(matmul, transpose_lhs=layout.transpose_lhs,

@@ -13,6 +13,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from core import tma_copies_in_place
 from core.memory import SWIZZLE_BYTES, TILE_ROWS
 from pipelines.config import check_operand_dtype
 
@@ -132,7 +133,7 @@ class TmaSizes:
 
 
 def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int, tile_n: int,
-              swizzles: tuple[int, ...] = SWIZZLE_BYTES) -> TmaSizes:
+              tile_k: int, out_tile_n: int, swizzles: tuple[int, ...] = SWIZZLE_BYTES) -> TmaSizes:
   """The shapes the operands and the output are zero-padded to for a kernel's TMA copies.
 
   Mosaic GPU's TMA tiles a GMEM array as its SMEM tile: an array's major
@@ -143,35 +144,55 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   need be a multiple of the K tile only where `k_multiple` says (the ranges
   of a split K).
 
-  An operand whose minor dimension is off the widest segment is either read
-  in place with a narrower swizzle, which slows the whole main loop
-  (`_SWIZZLE_SLOWDOWN`), or padded to the widest, a copy of that operand:
-  whichever the cost model says is faster (e.g. K = 80 copies the (M, 80)
-  LHS and reads the (80, N) RHS in place, whose minor N it does not touch;
-  N = 4000 at M = 100 reads the 65 MB RHS with a 64-byte swizzle). A minor
-  dimension off the narrowest segment is always padded. The output's minor N
-  takes the widest swizzle it allows, in place unless off the narrowest.
+  An array whose SMEM tile is one segment wide (the (M, K) LHS under
+  64-element float16 K steps, a 16-bit output under 64-column epilogue
+  tiles) is copied as plain 2D boxes, which TMA masks at every edge
+  (`core.tma_copies_in_place`): it is never padded unless its rows are off
+  16 bytes (an odd N of a float16 output).
+
+  Any other operand whose minor dimension is off the widest segment is
+  either read in place with a narrower swizzle, which slows the whole main
+  loop (`_SWIZZLE_SLOWDOWN`), or padded to the widest, a copy of that
+  operand: whichever the cost model says is faster (N = 4000 at M = 100
+  reads the 65 MB RHS with a 64-byte swizzle, which makes the LHS two
+  segments wide and pads its M to 104). A minor dimension off the narrowest
+  segment is always padded.
 
   A tile wider than the whole of its array's minor dimension is not masked
-  correctly, though: on an H200, N = 64 under 128-wide CTA tiles gave wrong
-  products whenever K took two steps or more (relative error 0.7-1.0; M
-  below the tile, as a major dimension, was right), so a minor M or N is
-  padded to at least its tile.
+  correctly by tiled copies, though: on an H200, N = 64 under 128-wide CTA
+  tiles gave wrong products whenever K took two steps or more (relative
+  error 0.7-1.0; M below the tile, as a major dimension, was right); with
+  that padding dropped for arrays that could be boxes but fit tiles (an
+  N = 64 output, say), 10 GPU tests failed, ragged M and N among them at
+  relative error 1.0. So a minor M or N is padded to at least its tile
+  wherever the array is copied tiled (boxes are used only where tiles would
+  not fit).
 
   Args:
     problem: the problem and how its operands are stored.
     out_dtype: the dtype the kernel stores.
     k_multiple: K is rounded up to a multiple of this.
-    tile_m, tile_n: the CTA tile.
+    tile_m, tile_n, tile_k: the CTA tile and K step.
+    out_tile_n: the minor dimension of the tiles the kernel stores.
     swizzles: the swizzles (bytes) the kernel's tiles may take.
   """
   layout, dtype = problem.layout, problem.dtype
   widest, narrowest = max(swizzles), min(swizzles)
   k = round_up(problem.k, k_multiple)
 
-  def padded(shape: tuple[int, int], itemsize: int, swizzle: int, minor_tile: int):
+  def padded(shape: tuple[int, int], array_dtype, swizzle: int, copy_tile: int,
+             minor_tile: int):
+    # `copy_tile`: the minor dimension of the SMEM tiles TMA copies;
+    # `minor_tile`: of the CTA tile, which the array must not be narrower than.
     major, minor = shape
-    if minor * itemsize % swizzle:
+    itemsize = jnp.dtype(array_dtype).itemsize
+    if copy_tile * itemsize == swizzle and tma_copies_in_place(
+        copy_tile, minor, array_dtype, swizzle):
+      if major % TILE_ROWS or minor % copy_tile:
+        return shape  # Copied as boxes.
+      # Copied tiled, as Mosaic GPU does where it can.
+      return major, max(minor, minor_tile)
+    if not tma_copies_in_place(copy_tile, minor, array_dtype, swizzle):
       minor = round_up(minor, widest // itemsize)
     return round_up(major, TILE_ROWS), max(minor, minor_tile)
 
@@ -179,6 +200,10 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
     return 2 * shape[0] * shape[1] * dtype.itemsize / _COPY_BYTES_PER_US + _COPY_LAUNCH_US
 
   stored = (layout.lhs_shape(problem.m, k), layout.rhs_shape(k, problem.n))
+  # The minor dimensions of the operands' SMEM tiles, and of their CTA tiles
+  # (a minor K has no such floor: TMA fills the K past the array with zeros).
+  copy_tiles = (tile_m if layout.transpose_lhs else tile_k,
+                tile_k if layout.transpose_rhs else tile_n)
   minor_tiles = (tile_m if layout.transpose_lhs else 1, 1 if layout.transpose_rhs else tile_n)
   out_bytes = problem.m * problem.n * jnp.dtype(out_dtype).itemsize
   kernel_us = max(problem.flops / _KERNEL_FLOPS_PER_US,
@@ -186,13 +211,19 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
                   / _KERNEL_BYTES_PER_US)
   options = []
   for swizzle in sorted(swizzles, reverse=True):
-    shapes = tuple(padded(shape, dtype.itemsize, swizzle, minor_tile)
-                   for shape, minor_tile in zip(stored, minor_tiles, strict=True))
+    shapes = tuple(padded(shape, dtype, swizzle, copy_tile, minor_tile)
+                   for shape, copy_tile, minor_tile in zip(stored, copy_tiles, minor_tiles,
+                                                           strict=True))
     copies_us = sum(copy_us(new) for old, new in zip(stored, shapes, strict=True) if new != old)
     options.append((kernel_us * _SWIZZLE_SLOWDOWN[swizzle] + copies_us, shapes))
   # min() keeps the widest swizzle of equal costs.
   _, (lhs, rhs) = min(options, key=lambda option: option[0])
-  out = padded((problem.m, problem.n), jnp.dtype(out_dtype).itemsize, narrowest, tile_n)
+  # The output takes the widest swizzle its tiles fit (`epilogue.output_swizzle`).
+  out_swizzle = next((swizzle for swizzle in sorted(swizzles, reverse=True)
+                      if out_tile_n * jnp.dtype(out_dtype).itemsize % swizzle == 0
+                      and tma_copies_in_place(out_tile_n, problem.n, out_dtype, swizzle)),
+                     narrowest)
+  out = padded((problem.m, problem.n), out_dtype, out_swizzle, out_tile_n, tile_n)
   return TmaSizes(lhs=lhs, rhs=rhs, out=out)
 
 

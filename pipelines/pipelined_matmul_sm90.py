@@ -12,7 +12,9 @@ M and N need not be multiples of the tile: TMA zero-fills the out-of-bounds
 part of a loaded tile and clips the out-of-bounds part of a stored one, so edge
 tiles are masked by the hardware. The wrapper (`kernel_call.pipelined_matmul`)
 pads M off a multiple of 8 and N off the swizzle width (64 elements for
-16-bit), because TMA's GMEM tiling needs those multiples.
+16-bit), because TMA's GMEM tiling needs those multiples, except where a
+tile is one swizzle segment wide and is copied as a 2D box
+(`operands.tma_sizes`).
 """
 
 from __future__ import annotations
