@@ -65,8 +65,11 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
 
   Any M, K and N work. The kernel reads an operand in place where its minor
   dimension is a multiple of 32 bytes and its major one of 8 (a last partial
-  K step is filled with zeros); other dimensions are zero-padded, a copy of
-  that operand (`operands.tma_sizes`). Where M,
+  K step is filled with zeros), and an (M, K) LHS, an (N, K) RHS or a 16-bit
+  output under 64-element tiles (the default K step and epilogue tile) with
+  any M, K and N whose rows are a multiple of 16 bytes (TMA copies them as
+  2D boxes); other dimensions are zero-padded, a copy of that operand
+  (`operands.tma_sizes`). Where M,
   N or K is 0 no kernel runs and the result is what `jnp.dot` gives: an
   empty array, or for K = 0 `activation(bias)` (zeros without a bias).
 
