@@ -85,7 +85,8 @@ def tma_copies_in_place(tile_minor: int, array_minor: int, dtype, swizzle: int) 
   return array_minor * itemsize % swizzle == 0
 
 
-def tma_swizzle(tile_minor_dims, array_minor_dims, dtype) -> int:
+def tma_swizzle(tile_minor_dims, array_minor_dims, dtype,
+                swizzles: tuple[int, ...] = SWIZZLE_BYTES) -> int:
   """The widest swizzle (bytes) for SMEM tiles that TMA copies to or from GMEM arrays.
 
   `tile_minor_dims[i]` is the minor dimension (elements of `dtype`) of the
@@ -94,19 +95,19 @@ def tma_swizzle(tile_minor_dims, array_minor_dims, dtype) -> int:
   minor dimension, and TMA must copy each tile in place
   (`tma_copies_in_place`). The widest swizzle is the fastest; a narrower one
   lets an array whose minor dimension is off 128 bytes be read in place
-  rather than copied into a padded one. Raises `ValueError` where even
-  32 bytes do not fit.
+  rather than copied into a padded one. Only `swizzles` (bytes) are
+  considered. Raises `ValueError` where none of them fits.
   """
   itemsize = jnp.dtype(dtype).itemsize
   pairs = tuple(zip(tile_minor_dims, array_minor_dims, strict=True))
-  for swizzle in SWIZZLE_BYTES:
+  for swizzle in sorted(swizzles, reverse=True):
     if all(tile * itemsize % swizzle == 0 and tma_copies_in_place(tile, array, dtype, swizzle)
            for tile, array in pairs):
       return swizzle
   raise ValueError(
       f"no swizzle fits (tile, array) minor dimensions {pairs} of {jnp.dtype(dtype).name}: "
-      f"TMA tiles need multiples of {min(SWIZZLE_BYTES) // itemsize} elements "
-      f"({min(SWIZZLE_BYTES)} bytes)")
+      f"TMA tiles need multiples of {min(swizzles) // itemsize} elements "
+      f"({min(swizzles)} bytes)")
 
 
 def tile_transforms(minor_dim: int, dtype, *, what: str = "tile",

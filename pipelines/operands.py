@@ -13,7 +13,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from core import tma_copies_in_place
+from core import tma_copies_in_place, tma_swizzle
 from core.memory import SWIZZLE_BYTES, TILE_ROWS
 from pipelines.config import check_operand_dtype
 
@@ -219,10 +219,10 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   # min() keeps the widest swizzle of equal costs.
   _, (lhs, rhs) = min(options, key=lambda option: option[0])
   # The output takes the widest swizzle its tiles fit (`epilogue.output_swizzle`).
-  out_swizzle = next((swizzle for swizzle in sorted(swizzles, reverse=True)
-                      if out_tile_n * jnp.dtype(out_dtype).itemsize % swizzle == 0
-                      and tma_copies_in_place(out_tile_n, problem.n, out_dtype, swizzle)),
-                     narrowest)
+  try:
+    out_swizzle = tma_swizzle((out_tile_n,), (problem.n,), out_dtype, swizzles)
+  except ValueError:  # None fits: N is padded to the widest segment.
+    out_swizzle = narrowest
   out = padded((problem.m, problem.n), out_dtype, out_swizzle, out_tile_n, tile_n)
   return TmaSizes(lhs=lhs, rhs=rhs, out=out)
 
