@@ -286,7 +286,15 @@ def operand_swizzle(config, lhs_gmem, rhs_gmem, *, transpose_lhs: bool = False,
 
 def check_swizzle(config, dtype, *, transpose_lhs: bool = False,
                   transpose_rhs: bool = False) -> None:
-  """Raises if the operand tiles cannot be swizzled for TMA + wgmma."""
+  """Raises if the operand tiles cannot be swizzled for TMA + wgmma.
+
+  wgmma reads both operands with one swizzle. The warp-specialized kernels
+  (`TuningConfig`) give both tiles the widest swizzle that both allow
+  (`operand_swizzle`), so their tiles' rows may differ (a 32-element K step
+  of 16-bit data with 128-column RHS tiles takes 64 bytes). The pipelined
+  kernels (`PipelinedConfig`) give each tile the widest swizzle its own rows
+  allow, so there the two must agree.
+  """
   itemsize = jnp.dtype(dtype).itemsize
   name = jnp.dtype(dtype).name
   lhs_minor, rhs_minor = operand_tile_minor_dims(config, transpose_lhs=transpose_lhs,
@@ -295,7 +303,7 @@ def check_swizzle(config, dtype, *, transpose_lhs: bool = False,
   rhs_what = "rhs tile (tile_k of an (N, K) rhs)" if transpose_rhs else "rhs tile (tile_n)"
   lhs_swizzle = swizzle_bytes(lhs_minor, dtype, what=lhs_what)
   rhs_swizzle = swizzle_bytes(rhs_minor, dtype, what=rhs_what)
-  if lhs_swizzle != rhs_swizzle:
+  if lhs_swizzle != rhs_swizzle and not isinstance(config, TuningConfig):
     # Mosaic GPU's wgmma reads both SMEM operands with one swizzle; otherwise
     # its layout inference fails with no hint of the cause.
     if not (transpose_lhs or transpose_rhs):
@@ -309,9 +317,10 @@ def check_swizzle(config, dtype, *, transpose_lhs: bool = False,
         f"swizzle but the RHS tile's {rhs_minor}-element rows get {rhs_swizzle} bytes; wgmma "
         f"needs one swizzle for both: make both minor dimensions multiples of "
         f"{max(lhs_swizzle, rhs_swizzle) // itemsize}")
-  segment = rhs_swizzle // itemsize
+  segment = min(lhs_swizzle, rhs_swizzle) // itemsize
   # Each warpgroup's wgmma reads its part of the CTA's tile; split along a
-  # tile's minor dimension, that part must start at a swizzled segment.
+  # tile's minor dimension, that part must start at a swizzled segment (of
+  # the widest swizzle both tiles allow: a narrower one divides it).
   splits = getattr(config, "cta_tile_n", config.tile_n) != config.tile_n
   if splits and not transpose_rhs and config.tile_n % segment:
     raise ValueError(

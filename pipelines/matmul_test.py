@@ -96,6 +96,16 @@ class MatmulApiTest(testing.KernelTestCase):
       self.assertEqual((sizes.lhs, sizes.rhs, sizes.out), expected,
                        f"{m}x{k}x{n} {layout.name} {out_dtype.name}")
 
+  def test_no_copy_for_a_swizzle_the_tiles_cannot_take(self):
+    """32-element float16 K steps allow at most the 64-byte swizzle, under
+    which the (M, K) LHS tiles are one segment, copied as boxes: the ragged
+    M = 100 stays unpadded, though padding it for a 128-byte swizzle (which
+    these tiles cannot take) would be modelled faster at 100x8192x8192."""
+    problem = ops.MatmulProblem(m=100, k=8192, n=8192, dtype=jnp.dtype(jnp.float16))
+    sizes = ops.tma_sizes(problem, out_dtype=jnp.float16, k_multiple=1, tile_m=128,
+                          tile_n=128, tile_k=32, out_tile_n=64)
+    self.assertEqual((sizes.lhs, sizes.rhs, sizes.out), ((100, 8192), (8192, 8192), (100, 8192)))
+
   def test_operands_read_in_place_lower_for_the_gpu(self):
     """Lowered for an H200 (on CPU, so Mosaic GPU checks every TMA against
     its arrays, swizzle and all): only the operands `tma_sizes` pads are
@@ -270,21 +280,19 @@ class BadInputTest(parameterized.TestCase):
       TuningConfig(k_splits=2, schedule=Schedule.PINGPONG)
 
   def test_operand_swizzles_must_match(self):
-    """A K tile narrower than 128 bytes would give the LHS a narrower swizzle
-    than the RHS, which Mosaic GPU rejects with an opaque layout error."""
+    """A K tile narrower than 128 bytes would give the pipelined kernels'
+    LHS a narrower swizzle than their RHS, which Mosaic GPU rejects with an
+    opaque layout error. The warp-specialized kernels give both tiles the
+    swizzle both allow (`config.operand_swizzle`), so they take it (their
+    GPU cases are `test_k_steps_of_one_narrow_segment`)."""
     lhs, rhs = jnp.zeros((256, 512), jnp.bfloat16), jnp.zeros((512, 256), jnp.bfloat16)
-    calls = [
-        functools.partial(pipelined_matmul,
-                          config=PipelinedConfig(tile_m=64, tile_n=128, tile_k=32)),
-        functools.partial(pallas_call_matmul,
-                          config=PipelinedConfig(tile_m=64, tile_n=128, tile_k=32)),
-        functools.partial(ws_matmul, config=TuningConfig(tile_k=32)),
-        functools.partial(ws_matmul, config=TuningConfig(tile_k=32, schedule=Schedule.PINGPONG)),
-    ]
-    for call in calls:
+    problem = ops.check_operands(lhs, rhs)
+    for call in (pipelined_matmul, pallas_call_matmul):
       with self.assertRaisesRegex(ValueError, "tile_k=32 gives bfloat16 LHS tiles a 64-byte "
                                   "swizzle.*use tile_k=64"):
-        call(lhs, rhs)
+        call(lhs, rhs, config=PipelinedConfig(tile_m=64, tile_n=128, tile_k=32))
+    for config in (TuningConfig(tile_k=32), TuningConfig(tile_k=32, schedule=Schedule.PINGPONG)):
+      kernel_call.check_ws_config(config, problem, jnp.bfloat16)
 
 
 if __name__ == "__main__":

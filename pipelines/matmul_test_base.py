@@ -19,6 +19,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import device, testing
 from pipelines import Epilogue, kernel_call, matmul_reference
+from pipelines.config import MatmulDimension
 from pipelines.operands import NN, OperandLayout
 
 DTYPES = (jnp.float16, jnp.bfloat16)
@@ -138,6 +139,17 @@ class MatmulTestBase(testing.KernelTestCase):
                 else Epilogue())
     self.check((160, 80, 176), jnp.float16, seed=37, layout=LAYOUTS[layout_index],
                epilogue=epilogue)
+
+  def test_k_steps_of_one_narrow_segment(self):
+    """32-element K steps with 128-column RHS tiles (warp-specialized kernels
+    only): both operands take the 64-byte swizzle, which N = 160 of the RHS
+    also needs, so the LHS tiles are one segment wide and its ragged M = 100
+    is read in place, as the heuristic has it for 100x8192x4000."""
+    self.requires("K steps narrower than the RHS tile's swizzle", self.tiled_by_config)
+    self.check((100, 256, 160), jnp.float16, seed=39,
+               config_fields=dict(tile_k=32, tile_n=128, max_concurrent_steps=4,
+                                  wg_dimension=MatmulDimension.M),
+               epilogue=Epilogue(activation="relu", has_bias=True))
 
   def test_any_k_and_n(self):
     """K and N off every multiple of 32 bytes: padded by the wrapper."""

@@ -154,9 +154,11 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   either read in place with a narrower swizzle, which slows the whole main
   loop (`_SWIZZLE_SLOWDOWN`), or padded to the widest, a copy of that
   operand: whichever the cost model says is faster (N = 4000 at M = 100
-  reads the 65 MB RHS with a 64-byte swizzle, which makes the LHS two
-  segments wide and pads its M to 104). A minor dimension off the narrowest
-  segment is always padded.
+  reads the 65 MB RHS with a 64-byte swizzle, which makes the LHS tiles of
+  64-element K steps two segments wide and pads its M to 104; the
+  heuristic takes 32-element steps there, one segment). A minor dimension
+  off the narrowest segment is always padded. Only swizzles whose segments
+  divide both operand tiles' rows are considered.
 
   A tile wider than the whole of its array's minor dimension is not masked
   correctly by tiled copies, though: on an H200, N = 64 under 128-wide CTA
@@ -209,8 +211,13 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   kernel_us = max(problem.flops / _KERNEL_FLOPS_PER_US,
                   ((problem.m + problem.n) * k * dtype.itemsize + out_bytes)
                   / _KERNEL_BYTES_PER_US)
+  # Both operand tiles take one swizzle (`config.operand_swizzle`), which
+  # their rows must be whole segments of: a 32-element float16 K step allows
+  # 64 bytes at most, so no array is padded for a 128-byte swizzle it cannot take.
+  operand_swizzles = [swizzle for swizzle in swizzles
+                      if all(tile * dtype.itemsize % swizzle == 0 for tile in copy_tiles)]
   options = []
-  for swizzle in sorted(swizzles, reverse=True):
+  for swizzle in sorted(operand_swizzles, reverse=True):
     shapes = tuple(padded(shape, dtype, swizzle, copy_tile, minor_tile)
                    for shape, copy_tile, minor_tile in zip(stored, copy_tiles, minor_tiles,
                                                            strict=True))
