@@ -85,6 +85,19 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                    delay_release=delay_release).check(what=repr(config))
 
 
+def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
+                 out_dtype) -> operands.TmaSizes:
+  """The shapes `ws_matmul` pads the operands and its output to for `config`
+  (`operands.tma_sizes`)."""
+  # The K ranges of a split must be whole K steps; one range may end in a
+  # partial step, which TMA fills with zeros.
+  k_multiple = config.tile_k * config.k_splits if config.k_splits > 1 else 1
+  return operands.tma_sizes(problem, out_dtype=config.store_dtype(out_dtype),
+                            k_multiple=k_multiple, tile_m=config.cta_tile_m,
+                            tile_n=config.cta_tile_n, tile_k=config.tile_k,
+                            out_tile_n=config.epi_tile_n)
+
+
 def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_axes=()):
   """`plgpu.kernel` for a warp-specialized body: `num_blocks` persistent blocks on
   `SM_AXIS`, two compute warpgroups and a memory warpgroup on `WG_AXIS`.
@@ -164,13 +177,8 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
                   has_bias=bias is not None)
   if problem.is_empty:
     return empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
-  # The K ranges of a split must be whole K steps; one range may end in a
-  # partial step, which TMA fills with zeros.
-  k_multiple = config.tile_k * config.k_splits if config.k_splits > 1 else 1
   store_dtype = config.store_dtype(out_dtype)
-  sizes = operands.tma_sizes(problem, out_dtype=store_dtype, k_multiple=k_multiple,
-                             tile_m=config.cta_tile_m, tile_n=config.cta_tile_n,
-                             tile_k=config.tile_k, out_tile_n=config.epi_tile_n)
+  sizes = ws_tma_sizes(config, problem, out_dtype)
   lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, sizes)
   padded_m, padded_n = sizes.out
   m, n = problem.m, problem.n

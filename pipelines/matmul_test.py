@@ -69,8 +69,9 @@ class MatmulApiTest(testing.KernelTestCase):
     """`tma_sizes` pads an operand whose minor dimension is off 128 bytes
     where the copy costs less than a narrower swizzle would slow the main
     loop: the small LHS of a long N, not the 65 MB (8192, 4000) RHS of a
-    decode-size M (whose 64-byte swizzle makes the LHS tiles two segments
-    wide, so its M = 100 is padded). A major dimension needs only 8 rows
+    decode-size M (whose 64-byte swizzle makes the LHS tiles of these
+    64-element K steps two segments wide, so its M = 100 is padded; the
+    heuristic takes 32-element steps there). A major dimension needs only 8 rows
     (K = 80 of the RHS); a minor one off 32 bytes is always padded
     (N = 3000 and 2500 of the RHS). Arrays whose tiles are one segment wide
     (the (M, K) and (N, K) operands, 16-bit outputs) are copied as boxes,
@@ -113,6 +114,8 @@ class MatmulApiTest(testing.KernelTestCase):
     if jax.default_backend() == "gpu":
       self.skipTest("checks the lowering on CPU")
     for (m, k, n), layout, pads in (((104, 8192, 4000), base.NN, 0),  # RHS: 64-byte swizzle.
+                                    # And 32-element K steps: LHS M as boxes.
+                                    ((100, 8192, 4000), base.NN, 0),
                                     ((160, 4096, 176), base.LAYOUTS[3], 0),  # LHS: 64 bytes.
                                     ((4096, 80, 4096), base.NN, 0),  # LHS K as boxes.
                                     ((100, 4096, 1000), base.NN, 1),  # RHS; LHS M, output N boxes.
@@ -210,6 +213,31 @@ class MatmulApiTest(testing.KernelTestCase):
       self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits,
                         config.max_concurrent_steps), expected, f"{m}x{k}x{n} -> {out_dtype}")
       kernel_call.check_ws_config(config, problem, out_dtype, has_bias=True)
+
+  def test_heuristic_k_step_of_one_segment(self):
+    """Where the operands take the 64-byte swizzle (N = 4000 or 1056 of a
+    (K, N) RHS) and M is ragged, 32-element K steps with twice the stages,
+    so the LHS is read in place; elsewhere 64-element steps."""
+    f16 = jnp.float16
+    nt = ops.OperandLayout(transpose_rhs=True)
+    tn = ops.OperandLayout(transpose_lhs=True)
+    for (m, k, n), layout, expected in (((100, 8192, 4000), ops.NN, (32, 8)),
+                                        ((7, 8192, 4000), ops.NN, (32, 8)),
+                                        ((100, 4096, 1056), ops.NN, (32, 8)),
+                                        ((104, 8192, 4000), ops.NN, (64, 4)),  # M on 8 rows.
+                                        ((100, 8192, 4000), nt, (64, 4)),  # 128-byte swizzle.
+                                        ((100, 8192, 3000), ops.NN, (64, 4)),  # N is padded.
+                                        ((4000, 8192, 100), tn, (64, 4))):  # K-major LHS.
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16), layout=layout)
+      for out_dtype in (f16, jnp.float32):
+        config = default_config(problem, out_dtype)
+        what = f"{m}x{k}x{n} {layout.name} -> {jnp.dtype(out_dtype).name}"
+        self.assertEqual((config.tile_k, config.max_concurrent_steps), expected, what)
+        kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k * config.k_splits),
+                                    out_dtype, has_bias=True)
+        sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
+        if expected[0] == 32:
+          self.assertEqual(sizes.lhs, (m, k), what)
 
   def test_heuristic_takes_pingpong_for_short_k(self):
     """Where K is short and 128x192 tiles leave the busiest SM at most 5% more work."""
