@@ -239,6 +239,25 @@ class MatmulApiTest(testing.KernelTestCase):
         if expected[0] == 32:
           self.assertEqual(sizes.lhs, (m, k), what)
 
+  def test_heuristic_epilogue_tiles_for_a_ragged_output(self):
+    """A 16-bit output whose rows are off 64 bytes (N = 4040, 3000, 1000)
+    gets 64-column epilogue tiles, stored as boxes in place, rather than
+    128-column ones, which would pad it and slice the result; outputs that
+    128-column tiles store in place keep them."""
+    f16, f32 = jnp.float16, jnp.float32
+    for (m, k, n), out_dtype, epi_tile_n in (((4096, 4096, 4040), f16, 64),
+                                             ((8192, 4096, 3000), f16, 64),
+                                             ((4096, 4096, 1000), f16, 64),
+                                             ((4096, 4096, 4000), f16, 128),  # 64-byte swizzle.
+                                             ((4096, 4096, 4096), f16, 128),
+                                             ((4096, 4096, 4040), f32, 64)):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16))
+      config = default_config(problem, out_dtype)
+      what = f"{m}x{k}x{n} -> {jnp.dtype(out_dtype).name}"
+      self.assertEqual(config.epi_tile_n, epi_tile_n, what)
+      self.assertEqual(kernel_call.ws_tma_sizes(config, problem, out_dtype).out, (m, n), what)
+      kernel_call.check_ws_config(config, problem, out_dtype, has_bias=True)
+
   def test_heuristic_takes_pingpong_for_short_k(self):
     """Where K is short and 128x192 tiles leave the busiest SM at most 5% more work."""
     for (m, k, n), schedule in (((16384, 1024, 8192), Schedule.PINGPONG),
