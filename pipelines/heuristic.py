@@ -244,7 +244,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
 
 
 def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
-  """`default_config` before `_with_one_segment_k_step`: tiles, split, stages."""
+  """`default_config`'s tiles, split, stages and epilogue tiles, before the
+  changes that spare a padding copy (`_with_unpadded_output`,
+  `_with_one_segment_k_step`)."""
   # Every heuristic tile steps through K in 64s; a last partial step costs a
   # whole one, so the model sees K rounded up.
   problem = operands.pad_k(problem, _HEURISTIC_TILE_K)
