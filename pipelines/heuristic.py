@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
-from core import device_facts, tma_swizzle
+from core import device_facts
 from core.memory import SWIZZLE_BYTES
 from pipelines import kernel_call, operands
-from pipelines.config import MatmulDimension, Schedule, TuningConfig, operand_tile_minor_dims
+from pipelines.config import MatmulDimension, Schedule, TuningConfig, operand_swizzle
 
 # The 128x192 CTA tile's relative time per multiply-add: from 0.94 to 1.07
 # in two problems where it left fewer SMs idle in the last wave than 128x256
@@ -156,8 +157,10 @@ def _with_one_segment_k_step(config: TuningConfig, problem: operands.MatmulProbl
     # problem runs no kernel.
     return config
   sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
-  tile_minor_dims = operand_tile_minor_dims(config, transpose_rhs=problem.layout.transpose_rhs)
-  swizzle = tma_swizzle(tile_minor_dims, (sizes.lhs[1], sizes.rhs[1]), problem.dtype)
+  # The swizzle the kernel will give the padded operands.
+  swizzle = operand_swizzle(config, jax.ShapeDtypeStruct(sizes.lhs, problem.dtype),
+                            jax.ShapeDtypeStruct(sizes.rhs, problem.dtype),
+                            transpose_rhs=problem.layout.transpose_rhs)
   segment = swizzle // problem.dtype.itemsize
   if sizes.lhs[0] == problem.m or 2 * segment != config.tile_k:
     return config
