@@ -32,12 +32,24 @@ _TILE_192_COST = 1.05
 # 256x8192x4096, where the unsplit 64x128 tile ran 14% slower than 128x256
 # tiles in 4 splits. Stages, epilogue tiles and splits are filled in by
 # `default_config`.
+_SMALL_TILE = TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N)
 _HEURISTIC_TILES = (
     (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.M), 1.0),
     (TuningConfig(tile_m=64, tile_n=192, wg_dimension=MatmulDimension.M), _TILE_192_COST),
     (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M), 1.1),
-    (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N), 1.5),
+    (_SMALL_TILE, 1.5),
 )
+# The 64x128 CTA tile's relative cost where its operands take a swizzle
+# narrower than 128 bytes (rows on 64 bytes but not 128: N = 2080 or 4000 of
+# a (K, N) RHS) and M is more than one row of tiles. Fitted on an H200 to
+# 333x4096x2080 (25.1 us, 102 tiles) and 400x2048x2080 (13.6 us, 119 tiles).
+# On the 37 problems with M > 64 (100-700, K = 2048-8192) where it or the
+# 1024-long ranges of 128x192 tiles (`_MIN_SPLIT_K_192_TILE`) changed the
+# choice, the two ran 1.09x faster (geometric mean; 700x4096x1056: 1.38x),
+# and at most 5% slower on eight (PERFORMANCE.md). Decode-size M keeps 1.5:
+# there the larger tiles the higher cost would choose ran 6-18% slower on
+# six problems.
+_NARROW_SWIZZLE_SMALL_TILE_COST = 2.1
 # Decode-size M (at most `_DECODE_MAX_M` rows) also gets a 64x256 CTA tile
 # (two 64x128 warpgroup tiles along N), whose wider RHS stages keep more
 # bytes in flight: at 1x8192x8192 and 16x8192x8192 it ran 13% and 9% faster
@@ -75,8 +87,12 @@ _SPLIT_SUM_BYTES_PER_US = 16e6
 # in ranges 512 long, which fill the SMs where the output has few tiles:
 # 1.16-1.40x cuBLAS at 256x16384x256, 128x32768x128, 333x2048x1111,
 # 256x2048x1024 and 64x2048x2048, where 2048-long ranges ran at 0.72-0.99x
-# (PERFORMANCE.md).
+# (PERFORMANCE.md). The 128x192 tile (4 stages) ran well in 1024-long
+# ranges: on the 16 problems where allowing them changed the choice, 1.03x
+# faster (geometric mean; 333x4096x2080: 16.9 against 25.3 us; 100x8192x2080:
+# 14.1 against 17.9), and at most 2.4% slower on one.
 _MIN_SPLIT_K_WIDE_TILE = 2048
+_MIN_SPLIT_K_192_TILE = 1024
 _MIN_SPLIT_K = 512
 # The ping-pong schedule's 128x192 tile, for problems with a short K loop,
 # where the epilogue it hides is a large share of a tile's time: on an H200 it
@@ -104,11 +120,16 @@ def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig,
 
 def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
   """1, and each split of K into equal whole K steps that keeps one work item
-  per SM and ranges at least `_MIN_SPLIT_K` long (`_MIN_SPLIT_K_WIDE_TILE`
-  for CTA tiles wider than 128)."""
+  per SM and ranges at least `_MIN_SPLIT_K` long (`_MIN_SPLIT_K_192_TILE`
+  for 192-wide CTA tiles, `_MIN_SPLIT_K_WIDE_TILE` for wider ones)."""
   k_steps = problem.k // config.tile_k
   num_tiles = _num_tiles(problem, config)
-  min_k = _MIN_SPLIT_K if config.cta_tile_n <= 128 else _MIN_SPLIT_K_WIDE_TILE
+  if config.cta_tile_n <= 128:
+    min_k = _MIN_SPLIT_K
+  elif config.cta_tile_n <= 192:
+    min_k = _MIN_SPLIT_K_192_TILE
+  else:
+    min_k = _MIN_SPLIT_K_WIDE_TILE
   yield 1
   for splits in range(2, k_steps + 1):
     if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
@@ -137,6 +158,28 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   return kernel_us + sum_us
 
 
+def _kernel_operand_swizzle(config: TuningConfig, problem: operands.MatmulProblem,
+                            out_dtype) -> int:
+  """The swizzle (bytes) `ws_matmul` gives both operand tiles of `config` for
+  `problem`, after padding (`kernel_call.ws_tma_sizes`)."""
+  sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
+  return operand_swizzle(config, jax.ShapeDtypeStruct(sizes.lhs, problem.dtype),
+                         jax.ShapeDtypeStruct(sizes.rhs, problem.dtype),
+                         transpose_lhs=problem.layout.transpose_lhs,
+                         transpose_rhs=problem.layout.transpose_rhs)
+
+
+def _tile_cost(problem: operands.MatmulProblem, tiles: TuningConfig, tile_cost: float,
+               out_dtype) -> float:
+  """`tile_cost`, or `_NARROW_SWIZZLE_SMALL_TILE_COST` for the 64x128 tile
+  where its operands take a swizzle narrower than 128 bytes and M is more
+  than one row of its tiles."""
+  if (tiles is _SMALL_TILE and problem.m > tiles.cta_tile_m and not problem.is_empty
+      and _kernel_operand_swizzle(tiles, problem, out_dtype) < max(SWIZZLE_BYTES)):
+    return _NARROW_SWIZZLE_SMALL_TILE_COST
+  return tile_cost
+
+
 def _with_one_segment_k_step(config: TuningConfig, problem: operands.MatmulProblem,
                              out_dtype) -> TuningConfig:
   """`config`, or the same with K steps one swizzle segment long where that
@@ -157,11 +200,7 @@ def _with_one_segment_k_step(config: TuningConfig, problem: operands.MatmulProbl
     # problem runs no kernel.
     return config
   sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
-  # The swizzle the kernel will give the padded operands.
-  swizzle = operand_swizzle(config, jax.ShapeDtypeStruct(sizes.lhs, problem.dtype),
-                            jax.ShapeDtypeStruct(sizes.rhs, problem.dtype),
-                            transpose_rhs=problem.layout.transpose_rhs)
-  segment = swizzle // problem.dtype.itemsize
+  segment = _kernel_operand_swizzle(config, problem, out_dtype) // problem.dtype.itemsize
   if sizes.lhs[0] == problem.m or 2 * segment != config.tile_k:
     return config
   try:
@@ -222,9 +261,14 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   128x8192x8192, which streams 128 MB of RHS from HBM, 128x128 tiles in 2
   ranges, since each split adds float32 partials to that traffic (1.13x
   faster than 128x256 tiles in 4). CTA tiles up to 128 wide may split K into
-  ranges as short as 512 (128x32768x128: 64 ranges, 1.32x cuBLAS), wider
-  ones into ranges of 2048 or more. Decode-size M (16 rows or fewer) may
-  also take a 64x256 tile (16x8192x8192: in 4 ranges, 1.03x cuBLAS).
+  ranges as short as 512 (128x32768x128: 64 ranges, 1.32x cuBLAS), 192-wide
+  ones into ranges of 1024 (333x4096x2048: 4 ranges, 7% faster than unsplit
+  64x128 tiles), wider ones into ranges of 2048 or more. Decode-size M (16
+  rows or fewer) may also take a 64x256 tile (16x8192x8192: in 4 ranges,
+  1.03x cuBLAS). Where the operands take a swizzle narrower than 128 bytes,
+  the 64x128 tile is modelled as slower unless M fits one row of its tiles
+  (`_NARROW_SWIZZLE_SMALL_TILE_COST`; 700x4096x1056: 128x128 tiles in 2
+  ranges, 1.38x faster).
 
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
@@ -269,7 +313,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
       return pingpong
   else:
     candidates = _HEURISTIC_TILES + ((_DECODE_TILE,) if problem.m <= _DECODE_MAX_M else ())
-    options = [(_estimated_time_us(problem, tiles, tile_cost, splits), i, tiles, splits)
+    options = [(_estimated_time_us(problem, tiles, _tile_cost(problem, tiles, tile_cost, out_dtype),
+                                   splits), i, tiles, splits)
                for i, (tiles, tile_cost) in enumerate(candidates)
                for splits in _k_splits_options(problem, tiles)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
