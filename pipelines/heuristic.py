@@ -59,6 +59,20 @@ _NARROW_SWIZZLE_SMALL_TILE_COST = 2.1
 # between the 128x128 and 128x256 tiles' costs.
 _DECODE_TILE = (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N), 1.2)
 _DECODE_MAX_M = 16
+# A 128x64 CTA tile (two 64x64 warpgroup tiles along M), whose (K, N) RHS
+# tiles are one segment wide: TMA reads them as boxes in place at any N on
+# 16 bytes (`operands.tma_sizes`), where wider tiles pad an N off 64 columns
+# (N = 3000, 1000, 4040), a copy of the whole RHS. It is a candidate only
+# there, at the 64x128 tile's cost, and the other candidates' times then
+# include that copy (`operands.copy_us`). Each row of CTA tiles reads the
+# whole RHS, and rows off 128 bytes take twice the L2 lines of aligned ones,
+# so it is weighed only where M is at most two rows of its tiles. On an H200,
+# on the 16 such problems timed (M = 1-256, f16), the heuristic with it ran
+# 1.10-2.25x faster than with the padded tiles (128x8192x3000: 24.4 against
+# 51.6 us); 128x64 tiles were 9% faster at M = 333 (three rows) and 1.2x
+# slower at M = 700 (PERFORMANCE.md).
+_IN_PLACE_RHS_TILE = (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.M), 1.5)
+_IN_PLACE_RHS_MAX_TILE_ROWS = 2
 # `_estimated_time_us` models a problem with too few tiles to fill the SMs, on
 # an H200. Its constants were fitted to the split-K and small-output sweeps
 # (PERFORMANCE.md): on each of the 13 problems measured, it chooses the
@@ -180,6 +194,15 @@ def _tile_cost(problem: operands.MatmulProblem, tiles: TuningConfig, tile_cost: 
   return tile_cost
 
 
+def _rhs_padding_us(tiles: TuningConfig, problem: operands.MatmulProblem, out_dtype) -> float:
+  """The modelled time of the copy that pads the RHS for `tiles` (0 where
+  it is read in place)."""
+  padded = kernel_call.ws_tma_sizes(tiles, problem, out_dtype).rhs
+  if padded == problem.layout.rhs_shape(problem.k, problem.n):
+    return 0.0
+  return operands.copy_us(padded, problem.dtype)
+
+
 def _with_one_segment_k_step(config: TuningConfig, problem: operands.MatmulProblem,
                              out_dtype) -> TuningConfig:
   """`config`, or the same with K steps one swizzle segment long where that
@@ -268,7 +291,10 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   1.03x cuBLAS). Where the operands take a swizzle narrower than 128 bytes,
   the 64x128 tile is modelled as slower unless M fits one row of its tiles
   (`_NARROW_SWIZZLE_SMALL_TILE_COST`; 700x4096x1056: 128x128 tiles in 2
-  ranges, 1.38x faster).
+  ranges, 1.38x faster). Where those tiles would pad a (K, N) RHS whose N is
+  off 64 columns and M is at most 256, 128x64 tiles may read it in place
+  instead, the others paying for the copy (`_IN_PLACE_RHS_TILE`;
+  128x8192x3000: 2.1x faster).
 
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
@@ -313,8 +339,19 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
       return pingpong
   else:
     candidates = _HEURISTIC_TILES + ((_DECODE_TILE,) if problem.m <= _DECODE_MAX_M else ())
+    in_place_tiles, _ = _IN_PLACE_RHS_TILE
+    # Only where the in-place tile is weighed do the others pay for their
+    # RHS pads: elsewhere they pad alike, or not at all.
+    weigh_pads = (not problem.is_empty
+                  and problem.m <= _IN_PLACE_RHS_MAX_TILE_ROWS * in_place_tiles.cta_tile_m
+                  and _rhs_padding_us(_SMALL_TILE, problem, out_dtype) > 0
+                  and _rhs_padding_us(in_place_tiles, problem, out_dtype) == 0)
+    if weigh_pads:
+      candidates += (_IN_PLACE_RHS_TILE,)
     options = [(_estimated_time_us(problem, tiles, _tile_cost(problem, tiles, tile_cost, out_dtype),
-                                   splits), i, tiles, splits)
+                                   splits)
+                + (_rhs_padding_us(tiles, problem, out_dtype) if weigh_pads else 0.0),
+                i, tiles, splits)
                for i, (tiles, tile_cost) in enumerate(candidates)
                for splits in _k_splits_options(problem, tiles)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.

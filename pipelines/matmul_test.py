@@ -118,9 +118,11 @@ class MatmulApiTest(testing.KernelTestCase):
                                     ((100, 8192, 4000), base.NN, 0),
                                     ((160, 4096, 176), base.LAYOUTS[3], 0),  # LHS: 64 bytes.
                                     ((4096, 80, 4096), base.NN, 0),  # LHS K as boxes.
-                                    ((100, 4096, 1000), base.NN, 1),  # RHS; LHS M, output N boxes.
+                                    # 128x64 tiles: the RHS too, in one-segment boxes.
+                                    ((100, 4096, 1000), base.NN, 0),
                                     ((333, 48, 1000), base.LAYOUTS[1], 0),  # (N, K) RHS.
-                                    ((104, 4096, 3000), base.NN, 1)):  # The RHS.
+                                    ((104, 4096, 3000), base.NN, 0),
+                                    ((1000, 4096, 3000), base.NN, 1)):  # The RHS.
       lhs, rhs = base.operands(47, m, k, n, jnp.float16, layout)
       run = jax.jit(functools.partial(matmul, transpose_lhs=layout.transpose_lhs,
                                       transpose_rhs=layout.transpose_rhs))
@@ -205,6 +207,31 @@ class MatmulApiTest(testing.KernelTestCase):
                                 ((16, 8192, 2080), (64, 128, 4)),
                                 ((64, 8192, 2080), (64, 128, 4))):
       self.assert_cta_tile_and_splits((m, k, n), jnp.float16, expected)
+
+  def test_heuristic_reads_a_ragged_rhs_in_place(self):
+    """Where wider tiles would pad a (K, N) RHS whose N is off 64 columns and
+    M is at most two rows of 128, 128x64 CTA tiles read it in place as
+    one-segment boxes; larger M, aligned N and an (N, K) RHS keep the
+    model's other tiles."""
+    f16 = jnp.float16
+    nt = ops.OperandLayout(transpose_rhs=True)
+    for (m, k, n), layout, in_place in (((128, 8192, 3000), ops.NN, True),
+                                        ((200, 4096, 3000), ops.NN, True),
+                                        ((100, 4096, 1000), ops.NN, True),
+                                        ((16, 8192, 4040), ops.NN, True),
+                                        ((333, 4096, 3000), ops.NN, False),  # Three rows.
+                                        ((700, 8192, 3000), ops.NN, False),
+                                        ((128, 8192, 4096), ops.NN, False),  # Aligned.
+                                        ((128, 8192, 3000), nt, False)):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16), layout=layout)
+      for out_dtype in (f16, jnp.float32):
+        config = default_config(problem, out_dtype)
+        what = f"{m}x{k}x{n} {layout.name} -> {jnp.dtype(out_dtype).name}"
+        self.assertEqual((config.cta_tile_m, config.cta_tile_n) == (128, 64), in_place, what)
+        kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k * config.k_splits),
+                                    out_dtype, has_bias=True)
+        if in_place:
+          self.assertEqual(kernel_call.ws_tma_sizes(config, problem, out_dtype).rhs, (k, n), what)
 
   def test_heuristic_decode_tile(self):
     """M of 16 rows or fewer may take 64x256 CTA tiles (more RHS bytes in

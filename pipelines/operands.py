@@ -10,6 +10,7 @@ either layout straight from HBM and hand wgmma a transposed SMEM view, so
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -117,6 +118,13 @@ _COPY_BYTES_PER_US = 3.0e6
 _COPY_LAUNCH_US = 2.0
 
 
+def copy_us(shape: tuple[int, ...], dtype) -> float:
+  """The modelled time (us, H200) of an XLA copy that writes an array of
+  `shape` and `dtype`, as a pad or a slice does: its bytes read and written,
+  plus a launch."""
+  return 2 * math.prod(shape) * jnp.dtype(dtype).itemsize / _COPY_BYTES_PER_US + _COPY_LAUNCH_US
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TmaSizes:
   """The shapes a kernel's arrays are zero-padded to (`tma_sizes`).
@@ -198,9 +206,6 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
       minor = round_up(minor, widest // itemsize)
     return round_up(major, TILE_ROWS), max(minor, minor_tile)
 
-  def copy_us(shape: tuple[int, int]) -> float:
-    return 2 * shape[0] * shape[1] * dtype.itemsize / _COPY_BYTES_PER_US + _COPY_LAUNCH_US
-
   stored = (layout.lhs_shape(problem.m, k), layout.rhs_shape(k, problem.n))
   # The minor dimensions of the operands' SMEM tiles, and of their CTA tiles
   # (a minor K has no such floor: TMA fills the K past the array with zeros).
@@ -221,7 +226,8 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
     shapes = tuple(padded(shape, dtype, swizzle, copy_tile, minor_tile)
                    for shape, copy_tile, minor_tile in zip(stored, copy_tiles, minor_tiles,
                                                            strict=True))
-    copies_us = sum(copy_us(new) for old, new in zip(stored, shapes, strict=True) if new != old)
+    copies_us = sum(copy_us(new, dtype) for old, new in zip(stored, shapes, strict=True)
+                    if new != old)
     options.append((kernel_us * _SWIZZLE_SLOWDOWN[swizzle] + copies_us, shapes))
   # min() keeps the widest swizzle of equal costs.
   _, (lhs, rhs) = min(options, key=lambda option: option[0])
