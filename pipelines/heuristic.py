@@ -365,6 +365,13 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   # at 4096x80x4096, 6 stages with 64-wide epilogue tiles ran 6% slower than
   # 4 with 128-wide ones.
   deep = ((6, 64), (5, 64)) if splits == 1 and problem.k // tiles.tile_k > 6 else ()
+  if splits > 1 and tiles is _IN_PLACE_RHS_TILE[0] and problem.m <= tiles.tile_m:
+    # Where M fits its first warpgroup's rows, the kernel only streams the
+    # RHS, and its stages are small (24 KB): with split K, 8 of them ran
+    # 1.01-1.25x faster than 4 on seven problems of M = 1-64 (16x8192x3000:
+    # 36.8 against 45.4 us). At M = 100-200 they ran 0.90-1.23x, so those
+    # keep 4 (PERFORMANCE.md).
+    deep = ((8, 64), (6, 64))
   for steps, epi_tile_n in (*deep, (4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
     config = dataclasses.replace(tiles, max_concurrent_steps=steps,
                                  epi_tile_n=math.gcd(epi_tile_n, tiles.tile_n), k_splits=splits)

@@ -246,9 +246,13 @@ class MatmulApiTest(testing.KernelTestCase):
 
   def test_heuristic_stages(self):
     """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
-    split K and large tiles fewer."""
+    split K and large tiles fewer, except the 128x64 tiles that read a
+    ragged RHS in place where M fits one warpgroup's rows."""
     f16, f32 = jnp.float16, jnp.float32
     for (m, k, n), out_dtype, expected in (((256, 8192, 8192), f16, (128, 128, 1, 6)),
+                                           ((16, 8192, 3000), f16, (128, 64, 2, 8)),
+                                           ((16, 8192, 3000), f32, (128, 64, 2, 8)),
+                                           ((100, 8192, 3000), f16, (128, 64, 2, 4)),
                                            ((256, 8192, 8192), f32, (128, 128, 1, 5)),
                                            ((512, 4096, 2048), f16, (64, 128, 1, 6)),
                                            ((128, 8192, 8192), f16, (128, 128, 2, 4)),
@@ -271,7 +275,8 @@ class MatmulApiTest(testing.KernelTestCase):
                                         ((100, 4096, 1056), ops.NN, (32, 8)),
                                         ((104, 8192, 4000), ops.NN, (64, 4)),  # M on 8 rows.
                                         ((100, 8192, 4000), nt, (64, 4)),  # 128-byte swizzle.
-                                        ((100, 8192, 3000), ops.NN, (64, 4)),  # N is padded.
+                                        # 128x64 tiles: RHS in place, 128 bytes.
+                                        ((100, 8192, 3000), ops.NN, (64, 4)),
                                         ((4000, 8192, 100), tn, (64, 4))):  # K-major LHS.
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16), layout=layout)
       for out_dtype in (f16, jnp.float32):
