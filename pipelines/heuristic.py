@@ -173,10 +173,9 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
 
 
 def _kernel_operand_swizzle(config: TuningConfig, problem: operands.MatmulProblem,
-                            out_dtype) -> int:
+                            sizes: operands.TmaSizes) -> int:
   """The swizzle (bytes) `ws_matmul` gives both operand tiles of `config` for
-  `problem`, after padding (`kernel_call.ws_tma_sizes`)."""
-  sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
+  `problem`, whose operands it pads to `sizes` (`kernel_call.ws_tma_sizes`)."""
   return operand_swizzle(config, jax.ShapeDtypeStruct(sizes.lhs, problem.dtype),
                          jax.ShapeDtypeStruct(sizes.rhs, problem.dtype),
                          transpose_lhs=problem.layout.transpose_lhs,
@@ -188,9 +187,10 @@ def _tile_cost(problem: operands.MatmulProblem, tiles: TuningConfig, tile_cost: 
   """`tile_cost`, or `_NARROW_SWIZZLE_SMALL_TILE_COST` for the 64x128 tile
   where its operands take a swizzle narrower than 128 bytes and M is more
   than one row of its tiles."""
-  if (tiles is _SMALL_TILE and problem.m > tiles.cta_tile_m and not problem.is_empty
-      and _kernel_operand_swizzle(tiles, problem, out_dtype) < max(SWIZZLE_BYTES)):
-    return _NARROW_SWIZZLE_SMALL_TILE_COST
+  if tiles is _SMALL_TILE and problem.m > tiles.cta_tile_m and not problem.is_empty:
+    sizes = kernel_call.ws_tma_sizes(tiles, problem, out_dtype)
+    if _kernel_operand_swizzle(tiles, problem, sizes) < max(SWIZZLE_BYTES):
+      return _NARROW_SWIZZLE_SMALL_TILE_COST
   return tile_cost
 
 
@@ -223,7 +223,7 @@ def _with_one_segment_k_step(config: TuningConfig, problem: operands.MatmulProbl
     # problem runs no kernel.
     return config
   sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
-  segment = _kernel_operand_swizzle(config, problem, out_dtype) // problem.dtype.itemsize
+  segment = _kernel_operand_swizzle(config, problem, sizes) // problem.dtype.itemsize
   if sizes.lhs[0] == problem.m or 2 * segment != config.tile_k:
     return config
   try:
@@ -348,12 +348,13 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
                   and _rhs_padding_us(in_place_tiles, problem, out_dtype) == 0)
     if weigh_pads:
       candidates += (_IN_PLACE_RHS_TILE,)
-    options = [(_estimated_time_us(problem, tiles, _tile_cost(problem, tiles, tile_cost, out_dtype),
-                                   splits)
-                + (_rhs_padding_us(tiles, problem, out_dtype) if weigh_pads else 0.0),
-                i, tiles, splits)
-               for i, (tiles, tile_cost) in enumerate(candidates)
-               for splits in _k_splits_options(problem, tiles)]
+    options = []
+    for i, (tiles, tile_cost) in enumerate(candidates):
+      # Per tile, not per split: neither depends on the split.
+      cost = _tile_cost(problem, tiles, tile_cost, out_dtype)
+      padding_us = _rhs_padding_us(tiles, problem, out_dtype) if weigh_pads else 0.0
+      options += [(_estimated_time_us(problem, tiles, cost, splits) + padding_us, i, tiles, splits)
+                  for splits in _k_splits_options(problem, tiles)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
     *_, tiles, splits = min(options, key=lambda option: option[:2])
   if problem.n <= 128:
