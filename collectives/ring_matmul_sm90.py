@@ -79,8 +79,7 @@ def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, n_tiles: int, e
   ring at M_shard 512 took 70 us against 59 us spread.) Must run with
   `delay_release=SEND_DELAY_RELEASE`.
   """
-  def callback(m_tile, n_tile, k_step, lhs_smem, rhs_smem):
-    del rhs_smem
+  def callback(m_tile, n_tile, k_step, lhs_smem):
     sends_tile = k_step % n_tiles == n_tile
 
     @pl.when(enabled & sends_tile)

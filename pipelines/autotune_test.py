@@ -74,10 +74,8 @@ class AutotuneTest(absltest.TestCase):
   def test_no_passing_config_raises_with_reasons_by_kind(self):
     problem = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16))
     also_wrong = dataclasses.replace(WRONG, max_concurrent_steps=5)
-    # Each warpgroup's 96 columns of the RHS tile would start mid-segment:
-    # rejected without running.
-    infeasible = TuningConfig(tile_m=64, tile_n=96, epi_tile_m=64, epi_tile_n=32,
-                              wg_dimension=MatmulDimension.N)
+    # RHS tile rows of 16 bytes cannot be swizzled: rejected without running.
+    infeasible = TuningConfig(tile_m=64, tile_n=8, epi_tile_m=64, epi_tile_n=8)
     with (mock.patch.object(kernel_call, "ws_matmul", fake_ws_matmul),
           self.assertRaises(autotune.TuningError) as raised):
       autotune.tune(self.lhs, self.rhs, space=[WRONG, BROKEN, also_wrong, infeasible],

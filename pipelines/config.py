@@ -227,6 +227,18 @@ class TuningConfig:
   def cta_tile_n(self) -> int:
     return self.tile_n * (NUM_COMPUTE_WGS if self._split(MatmulDimension.N) else 1)
 
+  @property
+  def rhs_tiles(self) -> int:
+    """RHS SMEM tiles per CTA tile, each (tile_k, tile_n): one per compute
+    warpgroup where they split N (cooperative schedule), else one.
+
+    Loaded apart, a warpgroup's tile one swizzle segment wide (tile_n = 64
+    of 16-bit data) is copied as a box, which TMA masks at any N whose rows
+    start on 16 bytes (`core.tma_copies_in_place`): no padding copy of a
+    (K, N) RHS with N = 3000, where one (tile_k, 128) tile would need one.
+    """
+    return self.cta_tile_n // self.tile_n
+
   def _split(self, dimension: MatmulDimension) -> bool:
     return self.schedule == Schedule.COOPERATIVE and self.wg_dimension == dimension
 
@@ -265,13 +277,13 @@ def operand_tile_minor_dims(config, *, transpose_lhs: bool = False,
   """The minor (contiguous) dimension, in elements, of the LHS and RHS SMEM tiles.
 
   A tile is stored as its operand is: the LHS tile is (cta_m, tile_k), or
-  (tile_k, cta_m) when the LHS is stored (K, M); the RHS tile (tile_k, cta_n),
-  or (cta_n, tile_k) when the RHS is stored (N, K).
+  (tile_k, cta_m) when the LHS is stored (K, M); each RHS tile
+  (`TuningConfig.rhs_tiles`) is (tile_k, tile_n), or (tile_n, tile_k) when
+  the RHS is stored (N, K).
   """
   cta_tile_m = getattr(config, "cta_tile_m", config.tile_m)
-  cta_tile_n = getattr(config, "cta_tile_n", config.tile_n)
   return (cta_tile_m if transpose_lhs else config.tile_k,
-          config.tile_k if transpose_rhs else cta_tile_n)
+          config.tile_k if transpose_rhs else config.tile_n)
 
 
 def operand_swizzle(config, lhs_gmem, rhs_gmem, *, transpose_lhs: bool = False,
@@ -318,15 +330,10 @@ def check_swizzle(config, dtype, *, transpose_lhs: bool = False,
         f"needs one swizzle for both: make both minor dimensions multiples of "
         f"{max(lhs_swizzle, rhs_swizzle) // itemsize}")
   segment = min(lhs_swizzle, rhs_swizzle) // itemsize
-  # Each warpgroup's wgmma reads its part of the CTA's tile; split along a
-  # tile's minor dimension, that part must start at a swizzled segment (of
-  # the widest swizzle both tiles allow: a narrower one divides it).
-  splits = getattr(config, "cta_tile_n", config.tile_n) != config.tile_n
-  if splits and not transpose_rhs and config.tile_n % segment:
-    raise ValueError(
-        f"tile_n={config.tile_n} must be a multiple of {segment} when the warpgroups "
-        f"split N (wg_dimension=MatmulDimension.N): each reads its columns of a "
-        f"{rhs_minor}-wide {name} RHS tile swizzled in {segment}-column segments")
+  # Each warpgroup's wgmma reads its part of the CTA's LHS tile; split along
+  # the tile's minor dimension, that part must start at a swizzled segment
+  # (of the widest swizzle both tiles allow: a narrower one divides it).
+  # Warpgroups that split N each load an RHS tile of their own.
   splits_m = getattr(config, "cta_tile_m", config.tile_m) != config.tile_m
   if splits_m and transpose_lhs and config.tile_m % segment:
     raise ValueError(

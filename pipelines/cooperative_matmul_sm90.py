@@ -5,7 +5,9 @@ its (tile_m, tile_n) half along `config.wg_dimension` with wgmma, while the
 memory warpgroup (`plgpu.emit_pipeline_warp_specialized`) keeps
 `max_concurrent_steps` SMEM slots of operand tiles in flight with TMA. Then
 both run the fused epilogue (`epilogue.store_epilogue`). Grid, thread axes
-and tile order: `persistent_sm90`.
+and tile order: `persistent_sm90`. Where the warpgroups split N, each one's
+RHS tile is a buffer of its own (`TuningConfig.rhs_tiles`), so a 64-column
+one is one swizzle segment, which TMA copies as a box at a ragged N.
 
 With `config.k_splits` > 1 (split-K, for outputs with too few tiles to
 occupy the SMs) the work items are (K range, output tile) pairs and the
@@ -41,18 +43,24 @@ from pipelines.epilogue import Epilogue, epilogue_scratch, output_swizzle, store
 from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS, for_each_work_item
 
-# pipeline_callback(m_tile, n_tile, k_step, lhs_smem, rhs_smem): runs in each
-# compute warpgroup after it issued the step's wgmma.
-PipelineCallback = Callable[[jax.Array, jax.Array, jax.Array, object, object], None]
-# The operand pipeline's SMEM buffers, in the order of its in_specs.
-PIPELINE_BUFFER_NAMES = ("lhs_smem", "rhs_smem")
+# pipeline_callback(m_tile, n_tile, k_step, lhs_smem): runs in each compute
+# warpgroup after it issued the step's wgmma.
+PipelineCallback = Callable[[jax.Array, jax.Array, jax.Array, object], None]
+
+
+def pipeline_buffer_names(config: TuningConfig) -> tuple[str, ...]:
+  """The operand pipeline's SMEM buffers, in the order of its in_specs."""
+  if config.rhs_tiles == 1:
+    return ("lhs_smem", "rhs_smem")
+  return ("lhs_smem", *(f"rhs_smem[wg{w}]" for w in range(config.rhs_tiles)))
 
 
 def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: int,
                       layout: OperandLayout, step, compute_context, swizzle: int | None):
   """The memory warpgroup's pipeline of LHS and RHS tiles, as the operands are stored:
-  (cta_m, tile_k) or (tile_k, cta_m), and (tile_k, cta_n) or (cta_n, tile_k),
-  both with `swizzle` (`config.operand_swizzle`)."""
+  (cta_m, tile_k) or (tile_k, cta_m), and `config.rhs_tiles` RHS tiles of
+  (tile_k, tile_n) or (tile_n, tile_k), all with `swizzle`
+  (`config.operand_swizzle`)."""
   def spec(block_shape, index_map):
     return plgpu.BlockSpec(block_shape, index_map,
                            transforms=tile_transforms(block_shape[-1], dtype, swizzle=swizzle),
@@ -62,14 +70,16 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: 
   else:
     lhs_spec = spec((config.cta_tile_m, config.tile_k), lambda kk: (0, kk))
   if layout.transpose_rhs:
-    rhs_spec = spec((config.cta_tile_n, config.tile_k), lambda kk: (0, kk))
+    rhs_specs = [spec((config.tile_n, config.tile_k), lambda kk, w=w: (w, kk))
+                 for w in range(config.rhs_tiles)]
   else:
-    rhs_spec = spec((config.tile_k, config.cta_tile_n), lambda kk: (kk, 0))
+    rhs_specs = [spec((config.tile_k, config.tile_n), lambda kk, w=w: (kk, w))
+                 for w in range(config.rhs_tiles)]
   return plgpu.emit_pipeline_warp_specialized(
       step,
       grid=(k_steps,),
       memory_registers=MEMORY_WG_REGISTERS,
-      in_specs=[lhs_spec, rhs_spec],
+      in_specs=[lhs_spec, *rhs_specs],
       wg_axis=WG_AXIS,
       num_compute_wgs=NUM_COMPUTE_WGS,
       max_concurrent_steps=config.max_concurrent_steps,
@@ -95,7 +105,8 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
     return None
 
   shapes = (jax.ShapeDtypeStruct(layout.lhs_shape(config.cta_tile_m, k), dtype),
-            jax.ShapeDtypeStruct(layout.rhs_shape(k, config.cta_tile_n), dtype))
+            *[jax.ShapeDtypeStruct(layout.rhs_shape(k, config.cta_tile_n), dtype)]
+            * config.rhs_tiles)
   scratch = dict(
       pipeline_allocs=_operand_pipeline(config, dtype, k_steps, delay_release, layout, ignore,
                                         ignore, swizzle).get_allocations(*shapes),
@@ -200,19 +211,24 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       wg_addend = (None if addend_gmem is None
                    else addend_gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice])
 
-      def mma_step(indices, lhs_smem, rhs_smem, acc_ref):
+      def mma_step(indices, lhs_smem, *rhs_smems_and_acc):
+        *rhs_smems, acc_ref = rhs_smems_and_acc
         # A transposed operand's tile is read through a transposed view.
         if layout.transpose_lhs:
           lhs_operand = lhs_smem.at[:, wg_m_slice].T
         else:
           lhs_operand = lhs_smem.at[wg_m_slice]
-        if layout.transpose_rhs:
-          rhs_operand = rhs_smem.at[wg_n_slice].T
+        rhs_operands = [rhs.T if layout.transpose_rhs else rhs for rhs in rhs_smems]
+        if len(rhs_operands) == 1:
+          plgpu.wgmma(acc_ref, lhs_operand, rhs_operands[0])
         else:
-          rhs_operand = rhs_smem.at[:, wg_n_slice]
-        plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
+          # Each warpgroup reads the RHS tile of its own columns.
+          for w, rhs_operand in enumerate(rhs_operands):
+            @pl.when(wg == w)
+            def _mma(rhs_operand=rhs_operand):
+              plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
         if pipeline_callback is not None:
-          pipeline_callback(m_tile, n_tile, indices[0], lhs_smem, rhs_smem)
+          pipeline_callback(m_tile, n_tile, indices[0], lhs_smem)
         # The pipeline reuses a slot `delay_release` steps after this one, so
         # that many wgmmas may still be reading their slots.
         plgpu.wgmma_wait(delay_release)
@@ -241,8 +257,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                    else lhs_gmem.at[cta_m_slice, k_slice])
       rhs_tiles = (rhs_gmem.at[cta_n_slice, k_slice] if layout.transpose_rhs
                    else rhs_gmem.at[k_slice, cta_n_slice])
+      # Each RHS spec picks its tiles of the CTA's columns.
       _operand_pipeline(config, dtype, k_steps, delay_release, layout, mma_step,
-                        compute_context, swizzle)(lhs_tiles, rhs_tiles,
+                        compute_context, swizzle)(lhs_tiles, *[rhs_tiles] * config.rhs_tiles,
                                                   allocations=pipeline_allocs)
       if tile_drained is not None:
         @pl.when(wg == NUM_COMPUTE_WGS)  # The memory warpgroup.

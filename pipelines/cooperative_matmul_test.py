@@ -59,6 +59,13 @@ class CooperativeMatmulTest(base.MatmulTestBase):
     self.check(shape, jnp.bfloat16, seed=23, config_fields=fields, num_blocks=2,
                epilogue=Epilogue(activation="relu", has_bias=True))
 
+  def test_warpgroup_rhs_tiles_narrower_than_a_segment_multiple(self):
+    """Warpgroups that split N each load an RHS tile of their own, so 96-column
+    warpgroup tiles (three 64-byte segments, not a whole number of 128-byte
+    ones) run, with a ragged N."""
+    self.check((128, 128, 360), jnp.float16, seed=51,
+               config_fields=dict(tile_n=96, epi_tile_n=32, wg_dimension=MatmulDimension.N))
+
   @parameterized.parameters(
       # (blocks, M x K x N, k_splits, epilogue, out dtype): 2 splits of 2 K
       # steps; 4 splits of one step each, 8 work items on 3 blocks; ragged

@@ -39,17 +39,6 @@ _HEURISTIC_TILES = (
     (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M), 1.1),
     (_SMALL_TILE, 1.5),
 )
-# The 64x128 CTA tile's relative cost where its operands take a swizzle
-# narrower than 128 bytes (rows on 64 bytes but not 128: N = 2080 or 4000 of
-# a (K, N) RHS) and M is more than one row of tiles. Fitted on an H200 to
-# 333x4096x2080 (25.1 us, 102 tiles) and 400x2048x2080 (13.6 us, 119 tiles).
-# On the 37 problems with M > 64 (100-700, K = 2048-8192) where it or the
-# 1024-long ranges of 128x192 tiles (`_MIN_SPLIT_K_192_TILE`) changed the
-# choice, the two ran 1.09x faster (geometric mean; 700x4096x1056: 1.38x),
-# and at most 5% slower on eight (PERFORMANCE.md). Decode-size M keeps 1.5:
-# there the larger tiles the higher cost would choose ran 6-18% slower on
-# six problems.
-_NARROW_SWIZZLE_SMALL_TILE_COST = 2.1
 # Decode-size M (at most `_DECODE_MAX_M` rows) also gets a 64x256 CTA tile
 # (two 64x128 warpgroup tiles along N), whose wider RHS stages keep more
 # bytes in flight: at 1x8192x8192 and 16x8192x8192 it ran 13% and 9% faster
@@ -59,20 +48,23 @@ _NARROW_SWIZZLE_SMALL_TILE_COST = 2.1
 # between the 128x128 and 128x256 tiles' costs.
 _DECODE_TILE = (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N), 1.2)
 _DECODE_MAX_M = 16
-# A 128x64 CTA tile (two 64x64 warpgroup tiles along M), whose (K, N) RHS
-# tiles are one segment wide: TMA reads them as boxes in place at any N on
-# 16 bytes (`operands.tma_sizes`), where wider tiles pad an N off 64 columns
-# (N = 3000, 1000, 4040), a copy of the whole RHS. It is a candidate only
-# there, at the 64x128 tile's cost, and the other candidates' times then
-# include that copy (`operands.copy_us`). Each row of CTA tiles reads the
-# whole RHS, and rows off 128 bytes take twice the L2 lines of aligned ones,
-# so it is weighed only where M is at most two rows of its tiles. On an H200,
-# on the 16 such problems timed (M = 1-256, f16), the heuristic with it ran
-# 1.10-2.25x faster than with the padded tiles (128x8192x3000: 24.4 against
-# 51.6 us); 128x64 tiles were 9% faster at M = 333 (three rows) and 1.2x
-# slower at M = 700 (PERFORMANCE.md).
+# Tiles whose (K, N) RHS tiles are one segment wide (each warpgroup of the
+# 64x128 tile loads its own 64 columns, `TuningConfig.rhs_tiles`) read that
+# RHS as boxes in place at any N on 16 bytes (`operands.tma_sizes`), where
+# wider tiles pad an N off 64 columns (N = 3000, 1000, 4040), a copy of the
+# whole RHS. Where the 64x128 tile reads it in place and M is at most
+# `_IN_PLACE_RHS_MAX_M`, the candidates' times include their copy
+# (`operands.copy_us`), and a 128x64 CTA tile (two 64x64 warpgroup tiles
+# along M) is weighed too, at the 64x128 tile's cost. Beyond one row of
+# 64x128 tiles it is preferred among equal times: each row of CTA tiles
+# rereads the RHS, and the 128x64 tile has half as many. On an H200 (f16):
+# in place, the heuristic ran 1.1-2.25x faster than with the padded tiles on
+# 16 problems of M = 1-256 (128x8192x3000: 24.4 against 51.6 us); at
+# M = 100-256 the 128x64 tile ran 0-8% faster than the 64x128 one on seven
+# problems, at M = 1-64 the 64x128 one 1.1-2.0x faster than the 128x64 one
+# on seven, whose second warpgroup computes rows past M (PERFORMANCE.md).
 _IN_PLACE_RHS_TILE = (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.M), 1.5)
-_IN_PLACE_RHS_MAX_TILE_ROWS = 2
+_IN_PLACE_RHS_MAX_M = 256
 # `_estimated_time_us` models a problem with too few tiles to fill the SMs, on
 # an H200. Its constants were fitted to the split-K and small-output sweeps
 # (PERFORMANCE.md): on each of the 13 problems measured, it chooses the
@@ -182,18 +174,6 @@ def _kernel_operand_swizzle(config: TuningConfig, problem: operands.MatmulProble
                          transpose_rhs=problem.layout.transpose_rhs)
 
 
-def _tile_cost(problem: operands.MatmulProblem, tiles: TuningConfig, tile_cost: float,
-               out_dtype) -> float:
-  """`tile_cost`, or `_NARROW_SWIZZLE_SMALL_TILE_COST` for the 64x128 tile
-  where its operands take a swizzle narrower than 128 bytes and M is more
-  than one row of its tiles."""
-  if tiles is _SMALL_TILE and problem.m > tiles.cta_tile_m and not problem.is_empty:
-    sizes = kernel_call.ws_tma_sizes(tiles, problem, out_dtype)
-    if _kernel_operand_swizzle(tiles, problem, sizes) < max(SWIZZLE_BYTES):
-      return _NARROW_SWIZZLE_SMALL_TILE_COST
-  return tile_cost
-
-
 def _rhs_padding_us(tiles: TuningConfig, problem: operands.MatmulProblem, out_dtype) -> float:
   """The modelled time of the copy that pads the RHS for `tiles` (0 where
   it is read in place)."""
@@ -288,13 +268,12 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   ones into ranges of 1024 (333x4096x2048: 4 ranges, 7% faster than unsplit
   64x128 tiles), wider ones into ranges of 2048 or more. Decode-size M (16
   rows or fewer) may also take a 64x256 tile (16x8192x8192: in 4 ranges,
-  1.03x cuBLAS). Where the operands take a swizzle narrower than 128 bytes,
-  the 64x128 tile is modelled as slower unless M fits one row of its tiles
-  (`_NARROW_SWIZZLE_SMALL_TILE_COST`; 700x4096x1056: 128x128 tiles in 2
-  ranges, 1.38x faster). Where those tiles would pad a (K, N) RHS whose N is
-  off 64 columns and M is at most 256, 128x64 tiles may read it in place
-  instead, the others paying for the copy (`_IN_PLACE_RHS_TILE`;
-  128x8192x3000: 2.1x faster).
+  1.03x cuBLAS). Where larger tiles would pad a (K, N) RHS whose N is off 64
+  columns and M is at most 256, tiles with one-segment RHS tiles read it in
+  place, the others paying for the copy: 64x128 tiles where M <= 64
+  (1x8192x3000: 2.0x faster than 128x64 tiles), 128x64 ones above
+  (`_IN_PLACE_RHS_TILE`; 128x8192x3000: 2.1x faster than padded 128x192
+  tiles).
 
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
@@ -339,21 +318,26 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
       return pingpong
   else:
     candidates = _HEURISTIC_TILES + ((_DECODE_TILE,) if problem.m <= _DECODE_MAX_M else ())
-    in_place_tiles, _ = _IN_PLACE_RHS_TILE
-    # Only where the in-place tile is weighed do the others pay for their
-    # RHS pads: elsewhere they pad alike, or not at all.
-    weigh_pads = (not problem.is_empty
-                  and problem.m <= _IN_PLACE_RHS_MAX_TILE_ROWS * in_place_tiles.cta_tile_m
-                  and _rhs_padding_us(_SMALL_TILE, problem, out_dtype) > 0
-                  and _rhs_padding_us(in_place_tiles, problem, out_dtype) == 0)
+    # Only where some tiles pad an RHS whose rows are off 128 bytes and the
+    # small ones read it in place do the candidates pay for their pads:
+    # elsewhere they pad alike, or not at all (an N below a CTA tile is
+    # padded to it, which was not measured against these tiles).
+    ragged_rows = problem.n * problem.dtype.itemsize % max(SWIZZLE_BYTES) != 0
+    weigh_pads = (not problem.is_empty and problem.m <= _IN_PLACE_RHS_MAX_M
+                  and not problem.layout.transpose_rhs and ragged_rows
+                  and _rhs_padding_us(_SMALL_TILE, problem, out_dtype) == 0
+                  and any(_rhs_padding_us(tiles, problem, out_dtype) > 0
+                          for tiles, _ in candidates))
     if weigh_pads:
-      candidates += (_IN_PLACE_RHS_TILE,)
+      # min() below keeps the first of equal times.
+      candidates = ((_IN_PLACE_RHS_TILE, *candidates) if problem.m > _SMALL_TILE.cta_tile_m
+                    else (*candidates, _IN_PLACE_RHS_TILE))
     options = []
     for i, (tiles, tile_cost) in enumerate(candidates):
-      # Per tile, not per split: neither depends on the split.
-      cost = _tile_cost(problem, tiles, tile_cost, out_dtype)
+      # Per tile, not per split: it does not depend on the split.
       padding_us = _rhs_padding_us(tiles, problem, out_dtype) if weigh_pads else 0.0
-      options += [(_estimated_time_us(problem, tiles, cost, splits) + padding_us, i, tiles, splits)
+      options += [(_estimated_time_us(problem, tiles, tile_cost, splits) + padding_us, i, tiles,
+                   splits)
                   for splits in _k_splits_options(problem, tiles)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
     *_, tiles, splits = min(options, key=lambda option: option[:2])
@@ -366,13 +350,6 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   # at 4096x80x4096, 6 stages with 64-wide epilogue tiles ran 6% slower than
   # 4 with 128-wide ones.
   deep = ((6, 64), (5, 64)) if splits == 1 and problem.k // tiles.tile_k > 6 else ()
-  if splits > 1 and tiles is _IN_PLACE_RHS_TILE[0] and problem.m <= tiles.tile_m:
-    # Where M fits its first warpgroup's rows, the kernel only streams the
-    # RHS, and its stages are small (24 KB): with split K, 8 of them ran
-    # 1.01-1.25x faster than 4 on seven problems of M = 1-64 (16x8192x3000:
-    # 36.8 against 45.4 us). At M = 100-200 they ran 0.90-1.23x, so those
-    # keep 4 (PERFORMANCE.md).
-    deep = ((8, 64), (6, 64))
   for steps, epi_tile_n in (*deep, (4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
     config = dataclasses.replace(tiles, max_concurrent_steps=steps,
                                  epi_tile_n=math.gcd(epi_tile_n, tiles.tile_n), k_splits=splits)

@@ -34,11 +34,12 @@ from pipelines.config import (
   Schedule,
   TuningConfig,
   check_swizzle,
+  operand_tile_minor_dims,
 )
 from pipelines.cooperative_matmul_sm90 import (
-  PIPELINE_BUFFER_NAMES,
   cooperative_scratch,
   emit_cooperative_matmul,
+  pipeline_buffer_names,
 )
 from pipelines.epilogue import BIAS_DTYPE, Epilogue
 from pipelines.persistent_sm90 import SM_AXIS, WG_AXIS
@@ -56,7 +57,7 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
     scratch = cooperative_scratch(config, problem.dtype, out_dtype, k=problem.k,
                                   has_bias=has_bias, delay_release=delay_release,
                                   layout=problem.layout)
-  return SmemBudget.of_scratch(scratch, labels={"pipeline_allocs": PIPELINE_BUFFER_NAMES})
+  return SmemBudget.of_scratch(scratch, labels={"pipeline_allocs": pipeline_buffer_names(config)})
 
 
 def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
@@ -94,7 +95,10 @@ def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
   k_multiple = config.tile_k * config.k_splits if config.k_splits > 1 else 1
   return operands.tma_sizes(problem, out_dtype=config.store_dtype(out_dtype),
                             k_multiple=k_multiple, tile_m=config.cta_tile_m,
-                            tile_n=config.cta_tile_n, tile_k=config.tile_k,
+                            tile_n=config.cta_tile_n,
+                            copy_tiles=operand_tile_minor_dims(
+                                config, transpose_lhs=problem.layout.transpose_lhs,
+                                transpose_rhs=problem.layout.transpose_rhs),
                             out_tile_n=config.epi_tile_n)
 
 
@@ -151,9 +155,10 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   narrower swizzle is modelled faster (never where it is off 32 bytes); with
   `config.k_splits` > 1, K to a multiple of `config.tile_k * config.k_splits`.
   Arrays whose tiles are one swizzle segment wide (the (M, K) LHS under
-  64-element float16 K steps, a 16-bit output under 64-column epilogue
-  tiles) are copied as 2D boxes, which need no padding unless their rows are
-  off 16 bytes. TMA fills a partial last K step with zeros.
+  64-element float16 K steps, a (K, N) RHS under 64-column warpgroup tiles,
+  a 16-bit output under 64-column epilogue tiles) are copied as 2D boxes,
+  which need no padding unless their rows are off 16 bytes (or, for that
+  RHS, off 32 bytes with M over 256). TMA fills a partial last K step with zeros.
 
   Args:
     lhs: (M, K) float16 or bfloat16, or (K, M) with `layout.transpose_lhs`.
@@ -233,7 +238,8 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
                 swizzle_bytes(config.tile_n, problem.dtype),
                 swizzle_bytes(config.tile_n, out_dtype))
   sizes = operands.tma_sizes(problem, out_dtype=out_dtype, k_multiple=config.tile_k,
-                             tile_m=config.tile_m, tile_n=config.tile_n, tile_k=config.tile_k,
+                             tile_m=config.tile_m, tile_n=config.tile_n,
+                             copy_tiles=operand_tile_minor_dims(config),
                              out_tile_n=config.tile_n, swizzles=(swizzle,))
   lhs, rhs, _ = operands.pad_operands(lhs, rhs, None, sizes)
   padded_m, padded_n = sizes.out

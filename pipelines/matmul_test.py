@@ -25,6 +25,7 @@ from pipelines import (
 )
 from pipelines import matmul_test_base as base
 from pipelines import operands as ops
+from pipelines.config import operand_swizzle
 
 SMALL_WS = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
                         epi_tile_m=64, epi_tile_n=32, grid_tile_width=2)
@@ -92,10 +93,23 @@ class MatmulApiTest(testing.KernelTestCase):
         ((100, 4096, 4096), tn, f16, ((4096, 128), (4096, 4096), (100, 4096))),
         ((1001, 4096, 4096), ops.NN, f32, ((1001, 4096), (4096, 4096), (1008, 4096)))):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=f16, layout=layout)
+      copy_tiles = (128 if layout.transpose_lhs else 64, 64 if layout.transpose_rhs else 256)
       sizes = ops.tma_sizes(problem, out_dtype=out_dtype, k_multiple=1, tile_m=128, tile_n=256,
-                            tile_k=64, out_tile_n=64)
+                            copy_tiles=copy_tiles, out_tile_n=64)
       self.assertEqual((sizes.lhs, sizes.rhs, sizes.out), expected,
                        f"{m}x{k}x{n} {layout.name} {out_dtype.name}")
+
+  def test_rhs_boxes_off_sectors_are_padded_beyond_256_rows(self):
+    """A (K, N) RHS in 64-column tiles is copied as boxes in place, except
+    where its rows are off 32 bytes (N = 3000, 1000) and M is over 256: each
+    row of CTA tiles rereads it, one L2 sector more per row, so it is padded."""
+    for (m, k, n), rhs in (((256, 4096, 3000), (4096, 3000)), ((257, 4096, 3000), (4096, 3008)),
+                           ((1000, 4096, 1000), (4096, 1024)),
+                           ((1000, 4096, 4000), (4096, 4000))):  # Rows on 64 bytes.
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
+      sizes = ops.tma_sizes(problem, out_dtype=jnp.float16, k_multiple=1, tile_m=64,
+                            tile_n=128, copy_tiles=(64, 64), out_tile_n=64)
+      self.assertEqual(sizes.rhs, rhs, f"{m}x{k}x{n}")
 
   def test_no_copy_for_a_swizzle_the_tiles_cannot_take(self):
     """32-element float16 K steps allow at most the 64-byte swizzle, under
@@ -104,7 +118,7 @@ class MatmulApiTest(testing.KernelTestCase):
     these tiles cannot take) would be modelled faster at 100x8192x8192."""
     problem = ops.MatmulProblem(m=100, k=8192, n=8192, dtype=jnp.dtype(jnp.float16))
     sizes = ops.tma_sizes(problem, out_dtype=jnp.float16, k_multiple=1, tile_m=128,
-                          tile_n=128, tile_k=32, out_tile_n=64)
+                          tile_n=128, copy_tiles=(32, 128), out_tile_n=64)
     self.assertEqual((sizes.lhs, sizes.rhs, sizes.out), ((100, 8192), (8192, 8192), (100, 8192)))
 
   def test_operands_read_in_place_lower_for_the_gpu(self):
@@ -130,6 +144,25 @@ class MatmulApiTest(testing.KernelTestCase):
         text = run.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
       self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, f"{m}x{k}x{n}")
       self.assertEqual(text.count("stablehlo.pad"), pads, f"{m}x{k}x{n} {layout.name}")
+
+  def test_warpgroups_read_their_rhs_tiles_in_place(self):
+    """Warpgroups that split N each load their own 64-column RHS tile, one
+    segment wide, which TMA reads as boxes in place at an N off 64 columns:
+    lowered for an H200 on CPU, no pad (one pad where M exceeds 256 rows and
+    the rows are off 32 bytes, `operands.tma_sizes`)."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("checks the lowering on CPU")
+    config = TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N,
+                          max_concurrent_steps=4, k_splits=4)
+    self.assertEqual(config.rhs_tiles, 2)
+    for (m, k, n), pads in (((16, 8192, 3000), 0), ((100, 4096, 1000), 0), ((7, 8192, 4040), 0),
+                            ((1000, 4096, 1000), 1)):
+      lhs, rhs = base.operands(48, m, k, n, jnp.float16, base.NN)
+      run = jax.jit(functools.partial(kernel_call.ws_matmul, config=config))
+      with interpret.interpret_disabled():
+        text = run.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
+      self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, f"{m}x{k}x{n}")
+      self.assertEqual(text.count("stablehlo.pad"), pads, f"{m}x{k}x{n}")
 
   def test_heuristic_fills_the_sms(self):
     """128x256 CTA tiles while they make a full wave on 132 SMs, smaller ones below that."""
@@ -194,44 +227,60 @@ class MatmulApiTest(testing.KernelTestCase):
                                 ((128, 16384, 4096), (128, 128, 4))):
       self.assert_cta_tile_and_splits((m, k, n), jnp.bfloat16, expected)
 
-  def test_heuristic_small_tile_under_a_narrow_swizzle(self):
-    """Where the operands take the 64-byte swizzle (N = 2080, 4000 or 1056 of
-    a (K, N) RHS) and M spans several 64-row tiles, the 64x128 tile is
-    modelled as slower, so larger tiles with split K win; decode-size M keeps
-    it, and so does a short K where it still models fastest."""
-    for (m, k, n), expected in (((333, 4096, 2080), (128, 192, 4)),
-                                ((700, 4096, 1056), (128, 128, 2)),
-                                ((200, 4096, 4000), (128, 128, 2)),
-                                ((400, 2048, 2080), (64, 128, 1)),
-                                ((333, 4096, 2048), (128, 192, 4)),  # 128-byte swizzle.
+  def test_heuristic_small_tile_takes_the_widest_swizzle(self):
+    """Where a (K, N) RHS's rows are on 64 bytes but not 128 (N = 2080, 4000
+    or 1056), the 64x128 tile's RHS tiles, one 64-column tile per warpgroup,
+    are one segment: copied as boxes in place under the 128-byte swizzle, so
+    the model weighs it at its usual cost (700x4096x1056 and 200x4096x4000
+    take it unsplit); larger tiles read that RHS with the 64-byte swizzle."""
+    f16 = jnp.float16
+    for (m, k, n), expected in (((700, 4096, 1056), (64, 128, 1)),
+                                ((200, 4096, 4000), (64, 128, 1)),
                                 ((16, 8192, 2080), (64, 128, 4)),
-                                ((64, 8192, 2080), (64, 128, 4))):
-      self.assert_cta_tile_and_splits((m, k, n), jnp.float16, expected)
+                                ((333, 4096, 2080), (128, 192, 4)),
+                                ((333, 4096, 2048), (128, 192, 4))):
+      self.assert_cta_tile_and_splits((m, k, n), f16, expected)
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16))
+      config = default_config(problem, f16)
+      sizes = kernel_call.ws_tma_sizes(config, problem, f16)
+      self.assertEqual(sizes.rhs, (k, n))
+      swizzle = operand_swizzle(config, jax.ShapeDtypeStruct(sizes.lhs, f16),
+                                jax.ShapeDtypeStruct(sizes.rhs, f16))
+      self.assertEqual(swizzle, 128 if config.tile_n == 64 or n % 64 == 0 else 64,
+                       f"{m}x{k}x{n}")
 
   def test_heuristic_reads_a_ragged_rhs_in_place(self):
     """Where wider tiles would pad a (K, N) RHS whose N is off 64 columns and
-    M is at most two rows of 128, 128x64 CTA tiles read it in place as
-    one-segment boxes; larger M, aligned N and an (N, K) RHS keep the
-    model's other tiles."""
+    M is at most 256, tiles with one-segment RHS tiles read it in place as
+    boxes: 64x128 CTA tiles (a 64-column RHS tile per warpgroup) where M fits
+    one row of them, else 128x64 ones. Larger M, aligned N and an (N, K) RHS
+    keep the model's other tiles, and the RHS pads of a ragged N."""
     f16 = jnp.float16
     nt = ops.OperandLayout(transpose_rhs=True)
-    for (m, k, n), layout, in_place in (((128, 8192, 3000), ops.NN, True),
-                                        ((200, 4096, 3000), ops.NN, True),
-                                        ((100, 4096, 1000), ops.NN, True),
-                                        ((16, 8192, 4040), ops.NN, True),
-                                        ((333, 4096, 3000), ops.NN, False),  # Three rows.
-                                        ((700, 8192, 3000), ops.NN, False),
-                                        ((128, 8192, 4096), ops.NN, False),  # Aligned.
-                                        ((128, 8192, 3000), nt, False)):
+    for (m, k, n), layout, in_place_tile in (((128, 8192, 3000), ops.NN, (128, 64)),
+                                             ((200, 4096, 3000), ops.NN, (128, 64)),
+                                             ((100, 4096, 1000), ops.NN, (128, 64)),
+                                             ((64, 8192, 4040), ops.NN, (64, 128)),
+                                             ((16, 8192, 4040), ops.NN, (64, 128)),
+                                             ((1, 8192, 3000), ops.NN, (64, 128)),
+                                             ((333, 4096, 3000), ops.NN, None),
+                                             ((700, 8192, 3000), ops.NN, None),
+                                             ((128, 8192, 4096), ops.NN, None),  # Aligned.
+                                             ((128, 8192, 3000), nt, None)):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16), layout=layout)
       for out_dtype in (f16, jnp.float32):
         config = default_config(problem, out_dtype)
         what = f"{m}x{k}x{n} {layout.name} -> {jnp.dtype(out_dtype).name}"
-        self.assertEqual((config.cta_tile_m, config.cta_tile_n) == (128, 64), in_place, what)
         kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k * config.k_splits),
                                     out_dtype, has_bias=True)
-        if in_place:
-          self.assertEqual(kernel_call.ws_tma_sizes(config, problem, out_dtype).rhs, (k, n), what)
+        rhs = kernel_call.ws_tma_sizes(config, problem, out_dtype).rhs
+        if in_place_tile:
+          self.assertEqual((config.cta_tile_m, config.cta_tile_n), in_place_tile, what)
+          self.assertEqual(rhs, (k, n), what)
+        else:
+          self.assertNotEqual((config.cta_tile_m, config.cta_tile_n), (128, 64), what)
+          padded_n = ops.round_up(n, 64) if layout == ops.NN else n
+          self.assertEqual(rhs, layout.rhs_shape(k, padded_n), what)
 
   def test_heuristic_decode_tile(self):
     """M of 16 rows or fewer may take 64x256 CTA tiles (more RHS bytes in
@@ -246,12 +295,10 @@ class MatmulApiTest(testing.KernelTestCase):
 
   def test_heuristic_stages(self):
     """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
-    split K and large tiles fewer, except the 128x64 tiles that read a
-    ragged RHS in place where M fits one warpgroup's rows."""
+    split K and large tiles fewer."""
     f16, f32 = jnp.float16, jnp.float32
     for (m, k, n), out_dtype, expected in (((256, 8192, 8192), f16, (128, 128, 1, 6)),
-                                           ((16, 8192, 3000), f16, (128, 64, 2, 8)),
-                                           ((16, 8192, 3000), f32, (128, 64, 2, 8)),
+                                           ((16, 8192, 3000), f16, (64, 128, 4, 4)),
                                            ((100, 8192, 3000), f16, (128, 64, 2, 4)),
                                            ((256, 8192, 8192), f32, (128, 128, 1, 5)),
                                            ((512, 4096, 2048), f16, (64, 128, 1, 6)),
@@ -271,7 +318,8 @@ class MatmulApiTest(testing.KernelTestCase):
     nt = ops.OperandLayout(transpose_rhs=True)
     tn = ops.OperandLayout(transpose_lhs=True)
     for (m, k, n), layout, expected in (((100, 8192, 4000), ops.NN, (32, 8)),
-                                        ((7, 8192, 4000), ops.NN, (32, 8)),
+                                        # 64x128 tiles: one-segment RHS tiles, 128 bytes.
+                                        ((7, 8192, 4000), ops.NN, (64, 4)),
                                         ((100, 4096, 1056), ops.NN, (32, 8)),
                                         ((104, 8192, 4000), ops.NN, (64, 4)),  # M on 8 rows.
                                         ((100, 8192, 4000), nt, (64, 4)),  # 128-byte swizzle.
@@ -364,8 +412,6 @@ class BadInputTest(parameterized.TestCase):
       TuningConfig(tile_m=128, tile_n=256)
     with self.assertRaisesRegex(ValueError, "max_concurrent_steps=17 is too deep.*at most 16"):
       TuningConfig(max_concurrent_steps=17, schedule=Schedule.PINGPONG)
-    with self.assertRaisesRegex(ValueError, "tile_n=96 must be a multiple of 64 when"):
-      ws_matmul(lhs, rhs, config=TuningConfig(tile_n=96, epi_tile_n=32))
     with self.assertRaisesRegex(ValueError, "multiple of tile_k=128"):
       pipelined_matmul(jnp.zeros((64, 192), jnp.float16), jnp.zeros((192, 64), jnp.float16),
                        config=PipelinedConfig(tile_k=128))

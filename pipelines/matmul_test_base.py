@@ -151,14 +151,16 @@ class MatmulTestBase(testing.KernelTestCase):
                                   wg_dimension=MatmulDimension.M),
                epilogue=Epilogue(activation="relu", has_bias=True))
 
-  def test_ragged_rhs_in_one_segment_tiles(self):
-    """64-column RHS tiles (64x64 warpgroup tiles along M, as the heuristic's
-    128x64 CTA tiles) read a (K, N) RHS whose N = 200 is off 64 columns in
-    place, as one-segment boxes that TMA masks at the edge."""
-    self.requires("64x64 warpgroup tiles along M", self.tiled_by_config)
+  @parameterized.parameters(MatmulDimension.M, MatmulDimension.N)
+  def test_ragged_rhs_in_one_segment_tiles(self, wg_dimension):
+    """64-column warpgroup tiles (along M: the heuristic's 128x64 CTA tiles;
+    along N: its 64x128 ones, where each warpgroup loads its own RHS tile)
+    read a (K, N) RHS whose N = 200 is off 64 columns in place, as
+    one-segment boxes that TMA masks at the edge."""
+    self.requires("64x64 warpgroup tiles", self.tiled_by_config)
     self.check((100, 256, 200), jnp.float16, seed=41,
                config_fields=dict(tile_m=64, tile_n=64, epi_tile_n=64, max_concurrent_steps=4,
-                                  wg_dimension=MatmulDimension.M),
+                                  wg_dimension=wg_dimension),
                epilogue=Epilogue(activation="relu", has_bias=True))
 
   def test_any_k_and_n(self):

@@ -116,6 +116,14 @@ _KERNEL_FLOPS_PER_US = 7.0e8
 _KERNEL_BYTES_PER_US = 4.0e6
 _COPY_BYTES_PER_US = 3.0e6
 _COPY_LAUNCH_US = 2.0
+# A (K, N) RHS copied as one-segment boxes is read again by every row of CTA
+# tiles, and rows that start off a 32-byte L2 sector take one more sector
+# each time. On an H200, reading such an RHS in place (N = 3000, 1000, 4040)
+# ran 1.1-2.0x faster than padding it at M <= 256 (the padding copy of the
+# whole RHS dominates there), but 1.19x slower at 1000x4096x1000 and 1.04x
+# at 700x8192x3000 (PERFORMANCE.md). Beyond this M it is padded.
+_MAX_M_RHS_BOXES_OFF_SECTOR = 256
+_L2_SECTOR_BYTES = 32
 
 
 def copy_us(shape: tuple[int, ...], dtype) -> float:
@@ -141,7 +149,8 @@ class TmaSizes:
 
 
 def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int, tile_n: int,
-              tile_k: int, out_tile_n: int, swizzles: tuple[int, ...] = SWIZZLE_BYTES) -> TmaSizes:
+              copy_tiles: tuple[int, int], out_tile_n: int,
+              swizzles: tuple[int, ...] = SWIZZLE_BYTES) -> TmaSizes:
   """The shapes the operands and the output are zero-padded to for a kernel's TMA copies.
 
   Mosaic GPU's TMA tiles a GMEM array as its SMEM tile: an array's major
@@ -153,10 +162,12 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   of a split K).
 
   An array whose SMEM tile is one segment wide (the (M, K) LHS under
-  64-element float16 K steps, a 16-bit output under 64-column epilogue
-  tiles) is copied as plain 2D boxes, which TMA masks at every edge
-  (`core.tma_copies_in_place`): it is never padded unless its rows are off
-  16 bytes (an odd N of a float16 output).
+  64-element float16 K steps, a (K, N) RHS under 64-column warpgroup tiles,
+  a 16-bit output under 64-column epilogue tiles) is copied as plain 2D
+  boxes, which TMA masks at every edge (`core.tma_copies_in_place`): it is
+  never padded unless its rows are off 16 bytes (an odd N of a float16
+  output), or it is a (K, N) RHS with rows off 32 bytes and M is over
+  `_MAX_M_RHS_BOXES_OFF_SECTOR`.
 
   Any other operand whose minor dimension is off the widest segment is
   either read in place with a narrower swizzle, which slows the whole main
@@ -182,7 +193,9 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
     problem: the problem and how its operands are stored.
     out_dtype: the dtype the kernel stores.
     k_multiple: K is rounded up to a multiple of this.
-    tile_m, tile_n, tile_k: the CTA tile and K step.
+    tile_m, tile_n: the CTA tile.
+    copy_tiles: the minor dimensions of the LHS and RHS SMEM tiles TMA
+      copies (`config.operand_tile_minor_dims`).
     out_tile_n: the minor dimension of the tiles the kernel stores.
     swizzles: the swizzles (bytes) the kernel's tiles may take.
   """
@@ -191,27 +204,29 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   k = round_up(problem.k, k_multiple)
 
   def padded(shape: tuple[int, int], array_dtype, swizzle: int, copy_tile: int,
-             minor_tile: int):
+             minor_tile: int, boxes: bool = True):
     # `copy_tile`: the minor dimension of the SMEM tiles TMA copies;
-    # `minor_tile`: of the CTA tile, which the array must not be narrower than.
+    # `minor_tile`: of the CTA tile, which the array must not be narrower than;
+    # `boxes`: whether one-segment tiles may be copied as boxes.
     major, minor = shape
     itemsize = jnp.dtype(array_dtype).itemsize
-    if copy_tile * itemsize == swizzle and tma_copies_in_place(
-        copy_tile, minor, array_dtype, swizzle):
+    in_place = tma_copies_in_place(copy_tile, minor, array_dtype, swizzle) and (
+        boxes or minor * itemsize % swizzle == 0)
+    if copy_tile * itemsize == swizzle and in_place:
       if major % TILE_ROWS or minor % copy_tile:
         return shape  # Copied as boxes.
       # Copied tiled, as Mosaic GPU does where it can.
       return major, max(minor, minor_tile)
-    if not tma_copies_in_place(copy_tile, minor, array_dtype, swizzle):
+    if not in_place:
       minor = round_up(minor, widest // itemsize)
     return round_up(major, TILE_ROWS), max(minor, minor_tile)
 
   stored = (layout.lhs_shape(problem.m, k), layout.rhs_shape(k, problem.n))
-  # The minor dimensions of the operands' SMEM tiles, and of their CTA tiles
-  # (a minor K has no such floor: TMA fills the K past the array with zeros).
-  copy_tiles = (tile_m if layout.transpose_lhs else tile_k,
-                tile_k if layout.transpose_rhs else tile_n)
+  # The minor dimensions of the operands' CTA tiles (a minor K has no such
+  # floor: TMA fills the K past the array with zeros).
   minor_tiles = (tile_m if layout.transpose_lhs else 1, 1 if layout.transpose_rhs else tile_n)
+  rhs_boxes = (layout.transpose_rhs or problem.m <= _MAX_M_RHS_BOXES_OFF_SECTOR
+               or problem.n * dtype.itemsize % _L2_SECTOR_BYTES == 0)
   out_bytes = problem.m * problem.n * jnp.dtype(out_dtype).itemsize
   kernel_us = max(problem.flops / _KERNEL_FLOPS_PER_US,
                   ((problem.m + problem.n) * k * dtype.itemsize + out_bytes)
@@ -223,9 +238,9 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
                       if all(tile * dtype.itemsize % swizzle == 0 for tile in copy_tiles)]
   options = []
   for swizzle in sorted(operand_swizzles, reverse=True):
-    shapes = tuple(padded(shape, dtype, swizzle, copy_tile, minor_tile)
-                   for shape, copy_tile, minor_tile in zip(stored, copy_tiles, minor_tiles,
-                                                           strict=True))
+    shapes = tuple(padded(shape, dtype, swizzle, copy_tile, minor_tile, boxes)
+                   for shape, copy_tile, minor_tile, boxes in zip(
+                       stored, copy_tiles, minor_tiles, (True, rhs_boxes), strict=True))
     copies_us = sum(copy_us(new, dtype) for old, new in zip(stored, shapes, strict=True)
                     if new != old)
     options.append((kernel_us * _SWIZZLE_SLOWDOWN[swizzle] + copies_us, shapes))
