@@ -323,20 +323,21 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     # elsewhere they pad alike, or not at all (an N below a CTA tile is
     # padded to it, which was not measured against these tiles).
     ragged_rows = problem.n * problem.dtype.itemsize % max(SWIZZLE_BYTES) != 0
-    weigh_pads = (not problem.is_empty and problem.m <= _IN_PLACE_RHS_MAX_M
-                  and not problem.layout.transpose_rhs and ragged_rows
-                  and _rhs_padding_us(_SMALL_TILE, problem, out_dtype) == 0
-                  and any(_rhs_padding_us(tiles, problem, out_dtype) > 0
-                          for tiles, _ in candidates))
+    padding_us = {}  # Each tile's RHS copy, worked out once.
+    if (not problem.is_empty and problem.m <= _IN_PLACE_RHS_MAX_M
+        and not problem.layout.transpose_rhs and ragged_rows):
+      padding_us = {tiles: _rhs_padding_us(tiles, problem, out_dtype)
+                    for tiles, _ in (*candidates, _IN_PLACE_RHS_TILE)}
+    weigh_pads = (bool(padding_us) and padding_us[_SMALL_TILE] == 0
+                  and any(padding_us[tiles] > 0 for tiles, _ in candidates))
     if weigh_pads:
       # min() below keeps the first of equal times.
       candidates = ((_IN_PLACE_RHS_TILE, *candidates) if problem.m > _SMALL_TILE.cta_tile_m
                     else (*candidates, _IN_PLACE_RHS_TILE))
     options = []
     for i, (tiles, tile_cost) in enumerate(candidates):
-      # Per tile, not per split: it does not depend on the split.
-      padding_us = _rhs_padding_us(tiles, problem, out_dtype) if weigh_pads else 0.0
-      options += [(_estimated_time_us(problem, tiles, tile_cost, splits) + padding_us, i, tiles,
+      copy_us = padding_us[tiles] if weigh_pads else 0.0
+      options += [(_estimated_time_us(problem, tiles, tile_cost, splits) + copy_us, i, tiles,
                    splits)
                   for splits in _k_splits_options(problem, tiles)]
     # min() keeps the first (largest tile, fewest splits) of equal costs.
