@@ -1,9 +1,11 @@
 """The ring's default config: one the ring kernel runs, or None where no tile divides the shards."""
 
+import dataclasses
+
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
-from collectives import ring_config, ring_matmul_sm90
+from collectives import ring_config, ring_matmul_sm90, ring_reduce_scatter_sm90
 from pipelines import Schedule
 from pipelines.operands import MatmulProblem
 
@@ -71,6 +73,17 @@ class DefaultRingConfigTest(parameterized.TestCase):
   def test_none_where_nothing_divides(self, m_shard, k, n_shard):
     self.assertIsNone(ring_config.default_ring_config(shard_problem(m_shard, k, n_shard),
                                                       jnp.float16))
+
+  def test_rings_refuse_clusters(self):
+    """The rings launch blocks without clusters, so a config with cluster_m=2
+    is refused before anything is traced, by both rings."""
+    problem = shard_problem(512, 4096, 4096)
+    config = dataclasses.replace(ring_config.default_ring_config(problem, jnp.float16),
+                                 cluster_m=2)
+    with self.assertRaisesRegex(ValueError, "cluster_m=2: the all-gather ring runs blocks"):
+      ring_matmul_sm90.check_ring_config(config, problem, jnp.float16)
+    with self.assertRaisesRegex(ValueError, "cluster_m=2: the reduce-scatter ring runs blocks"):
+      ring_reduce_scatter_sm90.check_reduce_scatter_config(config, problem, jnp.float16)
 
   def test_every_candidate_is_a_cooperative_tile_with_64_column_segments(self):
     for tiles in ring_config.RING_TILES:

@@ -59,7 +59,8 @@ def check_ring_config(config: TuningConfig, problem, out_dtype) -> None:
                            ("N_shard (rhs.shape[1])", problem.n, config.cta_tile_n)):
     if size % tile:
       raise ValueError(f"{name}={size} must be a multiple of the CTA tile {tile} of {config}")
-  check_ws_config(config, problem, out_dtype, delay_release=SEND_DELAY_RELEASE)
+  check_ws_config(config, problem, out_dtype, delay_release=SEND_DELAY_RELEASE,
+                  kernel="the all-gather ring")
 
 
 def forward_lhs_tiles(dst_gmem, *, cta_tile_m: int, tile_k: int, n_tiles: int, enabled):

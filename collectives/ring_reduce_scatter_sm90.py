@@ -111,7 +111,7 @@ def check_reduce_scatter_config(config: TuningConfig, block: MatmulProblem, out_
     if size % tile:
       raise ValueError(f"{name}={size} must be a multiple of the CTA tile {tile} of {config}")
   for stored in dict.fromkeys((jnp.dtype(out_dtype), FLOAT32_PARTIALS)):
-    check_ws_config(config, block, stored)
+    check_ws_config(config, block, stored, kernel="the reduce-scatter ring")
 
 
 def _busiest_sm_elements(config: TuningConfig, block: MatmulProblem) -> int:

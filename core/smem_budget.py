@@ -25,6 +25,9 @@ from core import device
 
 SMEM_ALIGNMENT_BYTES = 1024
 MBARRIER_BYTES = 8
+# What a scratch declaration may hold besides SMEM buffers: a cluster barrier
+# is one mbarrier in each block of the cluster.
+_BARRIERS = (plgpu.Barrier, plgpu.ClusterBarrier)
 
 
 def align(nbytes: int, alignment: int = SMEM_ALIGNMENT_BYTES) -> int:
@@ -74,20 +77,21 @@ class SmemBudget:
     """The budget of a kernel's scratch declaration: what it passes to `pl.run_scoped`.
 
     Args:
-      scratch: name -> a pytree of `plgpu.SMEM` allocations and `plgpu.Barrier`s
-        (all alive at once).
+      scratch: name -> a pytree of `plgpu.SMEM` allocations, `plgpu.Barrier`s
+        and `plgpu.ClusterBarrier`s (one mbarrier per block each; all alive at
+        once).
       labels: names for the SMEM leaves of a multi-leaf entry, in order (by
         default `name[i]`).
     """
     buffers, num_barriers = [], 0
     for name, allocation in scratch.items():
       leaves = jax.tree.leaves(allocation)
-      smem_leaves = [leaf for leaf in leaves if not isinstance(leaf, plgpu.Barrier)]
+      smem_leaves = [leaf for leaf in leaves if not isinstance(leaf, _BARRIERS)]
       names = (labels or {}).get(name) or (
           (name,) if len(smem_leaves) == 1
           else tuple(f"{name}[{i}]" for i in range(len(smem_leaves))))
       num_barriers += sum(math.prod(leaf.num_barriers) for leaf in leaves
-                          if isinstance(leaf, plgpu.Barrier))
+                          if isinstance(leaf, _BARRIERS))
       for label, leaf in zip(names, smem_leaves, strict=True):
         if leaf.memory_space != plgpu.SMEM:
           raise ValueError(f"scratch {name!r} holds {leaf.memory_space}, not SMEM")

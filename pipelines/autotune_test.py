@@ -186,6 +186,18 @@ class AutotuneTest(absltest.TestCase):
     self.assertEqual(sorted((c.schedule.name, c.wg_dimension.name) for c in configs),
                      [("COOPERATIVE", "M"), ("COOPERATIVE", "N"), ("PINGPONG", "N")])
 
+  def test_one_segment_rhs_tiles_and_clusters_in_the_space(self):
+    """The cooperative schedule takes each rhs_tile_n and cluster_m of the
+    space; ping-pong, which has neither, only the defaults."""
+    space = autotune.SearchSpace(tile_m=(64,), tile_n=(128,), max_concurrent_steps=(3,),
+                                 epi_tile=((64, 64),), grid_minor_dim=(MatmulDimension.M,),
+                                 grid_tile_width=(8,), wg_dimension=(MatmulDimension.M,),
+                                 rhs_tile_n=(None, 64), cluster_m=(1, 2))
+    self.assertCountEqual([(c.schedule.name, c.rhs_tile_n, c.cluster_m) for c in space.configs()],
+                          [("COOPERATIVE", None, 1), ("COOPERATIVE", None, 2),
+                           ("COOPERATIVE", 64, 1), ("COOPERATIVE", 64, 2),
+                           ("PINGPONG", None, 1)])
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -23,6 +23,8 @@ from core.device import (
     WGMMA_N_MULTIPLE,
 )
 
+# CTAs per cluster along M (`TuningConfig.cluster_m`).
+CLUSTER_SIZES = (1, 2)
 # K must be whole wgmma K steps.
 K_MULTIPLE = WGMMA_K_16BIT
 OPERAND_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -176,6 +178,17 @@ class TuningConfig:
       partials and applies the bias and activation in one pass over
       k_splits * M * N * 4 bytes. Worth it where the output has too few
       tiles to occupy the SMs and K is long (e.g. M = 512, N = 1024).
+    rhs_tile_n: the width of each RHS SMEM tile (cooperative schedule), a
+      divisor of tile_n; None for tile_n. Each compute warpgroup issues one
+      wgmma per RHS tile of its columns, into an accumulator of its own. At
+      64 (one swizzle segment of 16-bit data) TMA copies each tile as a box,
+      which it masks at any N whose rows are on 16 bytes: a (K, N) RHS with
+      N = 3000 is read in place by CTA tiles of any width.
+    cluster_m: CTAs per cluster along M, 1 or 2 (cooperative schedule). With
+      2, the CTAs of a cluster compute vertically adjacent tiles of the same
+      columns, and TMA multicasts each RHS tile to both: the RHS is read from
+      L2 half as often, which is what a (K, N) RHS read in place with rows off
+      128 bytes needs (each row of a tile then spans one more 128-byte line).
   """
 
   tile_m: int = 128
@@ -189,6 +202,8 @@ class TuningConfig:
   wg_dimension: MatmulDimension = MatmulDimension.N
   schedule: Schedule = Schedule.COOPERATIVE
   k_splits: int = 1
+  rhs_tile_n: int | None = None
+  cluster_m: int = 1
 
   def __post_init__(self):
     _check_tiles(self.tile_m, self.tile_n, self.tile_k)
@@ -204,6 +219,17 @@ class TuningConfig:
       raise ValueError(
           f"epilogue tile ({self.epi_tile_m}, {self.epi_tile_n}) must divide the "
           f"warpgroup tile ({self.tile_m}, {self.tile_n})")
+    if self.rhs_tile_n is not None:
+      _check_positive_multiple("rhs_tile_n", self.rhs_tile_n, WGMMA_N_MULTIPLE)
+      if self.tile_n % self.rhs_tile_n or self.rhs_tile_n % self.epi_tile_n:
+        raise ValueError(f"rhs_tile_n={self.rhs_tile_n} must divide tile_n={self.tile_n} and be "
+                         f"a multiple of epi_tile_n={self.epi_tile_n}")
+    if self.cluster_m not in CLUSTER_SIZES:
+      raise ValueError(f"cluster_m={self.cluster_m!r} must be one of {CLUSTER_SIZES}")
+    for name, default in (("rhs_tile_n", None), ("cluster_m", 1)):
+      if getattr(self, name) != default and self.schedule != Schedule.COOPERATIVE:
+        raise ValueError(f"{name}={getattr(self, name)} needs schedule=Schedule.COOPERATIVE, "
+                         f"not {self.schedule!r}")
     if not isinstance(self.grid_tile_width, int) or self.grid_tile_width < 1:
       raise ValueError(f"grid_tile_width={self.grid_tile_width!r} must be an int >= 1")
     for name in ("grid_minor_dim", "wg_dimension"):
@@ -228,16 +254,27 @@ class TuningConfig:
     return self.tile_n * (NUM_COMPUTE_WGS if self._split(MatmulDimension.N) else 1)
 
   @property
-  def rhs_tiles(self) -> int:
-    """RHS SMEM tiles per CTA tile, each (tile_k, tile_n): one per compute
-    warpgroup where they split N (cooperative schedule), else one.
+  def rhs_tile_width(self) -> int:
+    """The columns of each RHS SMEM tile: `rhs_tile_n`, or tile_n."""
+    return self.tile_n if self.rhs_tile_n is None else self.rhs_tile_n
 
-    Loaded apart, a warpgroup's tile one swizzle segment wide (tile_n = 64
-    of 16-bit data) is copied as a box, which TMA masks at any N whose rows
-    start on 16 bytes (`core.tma_copies_in_place`): no padding copy of a
-    (K, N) RHS with N = 3000, where one (tile_k, 128) tile would need one.
+  @property
+  def rhs_tiles(self) -> int:
+    """RHS SMEM tiles per CTA tile, each (tile_k, rhs_tile_width): at least
+    one per compute warpgroup where they split N (cooperative schedule).
+
+    Loaded apart, a tile one swizzle segment wide (64 columns of 16-bit data)
+    is copied as a box, which TMA masks at any N whose rows start on 16
+    bytes (`core.tma_copies_in_place`): no padding copy of a (K, N) RHS with
+    N = 3000, where one (tile_k, 128) tile would need one.
     """
-    return self.cta_tile_n // self.tile_n
+    return self.cta_tile_n // self.rhs_tile_width
+
+  @property
+  def rhs_tiles_per_wg(self) -> int:
+    """RHS tiles each compute warpgroup multiplies by: one wgmma and one
+    accumulator each."""
+    return self.tile_n // self.rhs_tile_width
 
   def _split(self, dimension: MatmulDimension) -> bool:
     return self.schedule == Schedule.COOPERATIVE and self.wg_dimension == dimension
@@ -278,12 +315,13 @@ def operand_tile_minor_dims(config, *, transpose_lhs: bool = False,
 
   A tile is stored as its operand is: the LHS tile is (cta_m, tile_k), or
   (tile_k, cta_m) when the LHS is stored (K, M); each RHS tile
-  (`TuningConfig.rhs_tiles`) is (tile_k, tile_n), or (tile_n, tile_k) when
-  the RHS is stored (N, K).
+  (`TuningConfig.rhs_tiles`) is (tile_k, rhs_tile_width), or
+  (rhs_tile_width, tile_k) when the RHS is stored (N, K).
   """
   cta_tile_m = getattr(config, "cta_tile_m", config.tile_m)
+  rhs_tile_n = getattr(config, "rhs_tile_width", config.tile_n)
   return (cta_tile_m if transpose_lhs else config.tile_k,
-          config.tile_k if transpose_rhs else config.tile_n)
+          config.tile_k if transpose_rhs else rhs_tile_n)
 
 
 def operand_swizzle(config, lhs_gmem, rhs_gmem, *, transpose_lhs: bool = False,

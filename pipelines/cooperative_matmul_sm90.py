@@ -12,7 +12,10 @@ one is one swizzle segment, which TMA copies as a box at a ragged N.
 With `config.k_splits` > 1 (split-K, for outputs with too few tiles to
 occupy the SMs) the work items are (K range, output tile) pairs and the
 kernel stores float32 partial tiles; the wrapper (`kernel_call.ws_matmul`)
-sums them.
+sums them. With `config.rhs_tile_n` each warpgroup's RHS columns are several
+tiles, one wgmma and accumulator each; with `config.cluster_m` = 2 the two
+blocks of a cluster compute vertically adjacent tiles and TMA multicasts
+each RHS tile to both.
 
 `emit_cooperative_matmul` is also a building block: the ring all-gather
 matmul calls it inside its own kernel and hooks into the pipeline with
@@ -41,7 +44,12 @@ from pipelines.config import (
 )
 from pipelines.epilogue import Epilogue, epilogue_scratch, output_swizzle, store_epilogue
 from pipelines.operands import NN, OperandLayout
-from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS, for_each_work_item
+from pipelines.persistent_sm90 import (
+  CLUSTER_AXIS,
+  MEMORY_WG_REGISTERS,
+  WG_AXIS,
+  for_each_work_item,
+)
 
 # pipeline_callback(m_tile, n_tile, k_step, lhs_smem): runs in each compute
 # warpgroup after it issued the step's wgmma.
@@ -52,29 +60,32 @@ def pipeline_buffer_names(config: TuningConfig) -> tuple[str, ...]:
   """The operand pipeline's SMEM buffers, in the order of its in_specs."""
   if config.rhs_tiles == 1:
     return ("lhs_smem", "rhs_smem")
-  return ("lhs_smem", *(f"rhs_smem[wg{w}]" for w in range(config.rhs_tiles)))
+  return ("lhs_smem", *(f"rhs_smem[{j}]" for j in range(config.rhs_tiles)))
 
 
 def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: int,
                       layout: OperandLayout, step, compute_context, swizzle: int | None):
   """The memory warpgroup's pipeline of LHS and RHS tiles, as the operands are stored:
   (cta_m, tile_k) or (tile_k, cta_m), and `config.rhs_tiles` RHS tiles of
-  (tile_k, tile_n) or (tile_n, tile_k), all with `swizzle`
-  (`config.operand_swizzle`)."""
-  def spec(block_shape, index_map):
+  (tile_k, rhs_tile_width) or (rhs_tile_width, tile_k), all with `swizzle`
+  (`config.operand_swizzle`). With `config.cluster_m` = 2 the RHS tiles are
+  multicast to both blocks of the cluster."""
+  def spec(block_shape, index_map, collective_axes=None):
     return plgpu.BlockSpec(block_shape, index_map,
                            transforms=tile_transforms(block_shape[-1], dtype, swizzle=swizzle),
-                           delay_release=delay_release)
+                           delay_release=delay_release, collective_axes=collective_axes)
   if layout.transpose_lhs:
     lhs_spec = spec((config.tile_k, config.cta_tile_m), lambda kk: (kk, 0))
   else:
     lhs_spec = spec((config.cta_tile_m, config.tile_k), lambda kk: (0, kk))
+  rhs_axes = (CLUSTER_AXIS,) if config.cluster_m > 1 else None
+  width = config.rhs_tile_width
   if layout.transpose_rhs:
-    rhs_specs = [spec((config.tile_n, config.tile_k), lambda kk, w=w: (w, kk))
-                 for w in range(config.rhs_tiles)]
+    rhs_specs = [spec((width, config.tile_k), lambda kk, j=j: (j, kk), rhs_axes)
+                 for j in range(config.rhs_tiles)]
   else:
-    rhs_specs = [spec((config.tile_k, config.tile_n), lambda kk, w=w: (kk, w))
-                 for w in range(config.rhs_tiles)]
+    rhs_specs = [spec((config.tile_k, width), lambda kk, j=j: (kk, j), rhs_axes)
+                 for j in range(config.rhs_tiles)]
   return plgpu.emit_pipeline_warp_specialized(
       step,
       grid=(k_steps,),
@@ -130,7 +141,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
-  (grid axis `SM_AXIS`, three threads on `WG_AXIS`). All shapes are static.
+  (grid axis `SM_AXIS`, three threads on `WG_AXIS`, clusters of
+  `config.cluster_m` blocks on `CLUSTER_AXIS`). All shapes are static.
   M, N and K may be ragged: TMA masks the edge tiles and fills a partial last
   K step with zeros. But each array's major dimension must be a multiple of
   8 and its minor one of 32 bytes (the tiles take the widest swizzle the
@@ -183,6 +195,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   tile_m, tile_n = config.tile_m, config.tile_n
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
   split_k = k // k_splits  # The K range of one block's share of a tile.
+  m_tiles = pl.cdiv(m, cta_m)
   # A last partial K step reads past the arrays' end: TMA fills it with zeros.
   k_steps = pl.cdiv(split_k, config.tile_k)
   swizzle = operand_swizzle(config, lhs_gmem, rhs_gmem, transpose_lhs=layout.transpose_lhs,
@@ -199,6 +212,10 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
     wg = lax.axis_index(WG_AXIS)
 
     def work_item(split, m_tile, n_tile, _):
+      # A cluster's second block past the last M tile (`for_each_work_item`)
+      # runs the K loop, since the multicast loads need both blocks, on LHS
+      # rows that TMA fills with zeros, and stores nothing.
+      stores = m_tile < m_tiles if config.cluster_m > 1 else None
       cta_m_slice = pl.ds(m_tile * cta_m, cta_m)
       cta_n_slice = pl.ds(n_tile * cta_n, cta_n)
       k_slice = pl.ds(split * split_k, k_steps * config.tile_k)
@@ -211,28 +228,32 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       wg_addend = (None if addend_gmem is None
                    else addend_gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice])
 
-      def mma_step(indices, lhs_smem, *rhs_smems_and_acc):
-        *rhs_smems, acc_ref = rhs_smems_and_acc
+      def mma_step(indices, lhs_smem, *rhs_smems_and_accs):
+        *rhs_smems, acc_refs = rhs_smems_and_accs
         # A transposed operand's tile is read through a transposed view.
         if layout.transpose_lhs:
           lhs_operand = lhs_smem.at[:, wg_m_slice].T
         else:
           lhs_operand = lhs_smem.at[wg_m_slice]
         rhs_operands = [rhs.T if layout.transpose_rhs else rhs for rhs in rhs_smems]
-        if len(rhs_operands) == 1:
-          plgpu.wgmma(acc_ref, lhs_operand, rhs_operands[0])
+        per_wg = config.rhs_tiles_per_wg
+        if len(rhs_operands) == per_wg:
+          for acc_ref, rhs_operand in zip(acc_refs, rhs_operands, strict=True):
+            plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
         else:
-          # Each warpgroup reads the RHS tile of its own columns.
-          for w, rhs_operand in enumerate(rhs_operands):
+          # Each warpgroup reads the RHS tiles of its own columns.
+          for w in range(NUM_COMPUTE_WGS):
             @pl.when(wg == w)
-            def _mma(rhs_operand=rhs_operand):
-              plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
+            def _mma(w=w):
+              for acc_ref, rhs_operand in zip(acc_refs, rhs_operands[w * per_wg:][:per_wg],
+                                              strict=True):
+                plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
         if pipeline_callback is not None:
           pipeline_callback(m_tile, n_tile, indices[0], lhs_smem)
         # The pipeline reuses a slot `delay_release` steps after this one, so
         # that many wgmmas may still be reading their slots.
         plgpu.wgmma_wait(delay_release)
-        return acc_ref
+        return acc_refs
 
       def compute_context(run_pipeline):
         if bias_gmem is not None:
@@ -240,18 +261,28 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
           plgpu.copy_gmem_to_smem(bias_gmem.at[cta_n_slice].at[wg_n_slice],
                                   bias_smem.at[wg], bias_loaded.at[wg])
 
-        @functools.partial(pl.run_scoped, acc_ref=accumulator((tile_m, tile_n)))
-        def _acc_scope(acc_ref):
+        # One accumulator per RHS tile of the warpgroup's columns.
+        @functools.partial(pl.run_scoped, acc_refs=[
+            accumulator((tile_m, config.rhs_tile_width))] * config.rhs_tiles_per_wg)
+        def _acc_scope(acc_refs):
           with jax.named_scope("k_loop"):
-            run_pipeline(acc_ref)
-            acc = acc_ref[...]  # Waits for every wgmma of the tile.
+            run_pipeline(tuple(acc_refs))
+            # Waits for every wgmma of the tile.
+            acc_blocks = [acc_ref[...] for acc_ref in acc_refs]
           if tile_drained is not None:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The callback's copies.
             plgpu.barrier_arrive(tile_drained)
           if bias_gmem is not None:
             plgpu.barrier_wait(bias_loaded.at[wg])
-          with jax.named_scope("epilogue"):
-            store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue, wg_addend)
+
+          def run_epilogue():
+            with jax.named_scope("epilogue"):
+              store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue,
+                             wg_addend)
+          if stores is None:
+            run_epilogue()
+          else:
+            pl.when(stores)(run_epilogue)
 
       lhs_tiles = (lhs_gmem.at[k_slice, cta_m_slice] if layout.transpose_lhs
                    else lhs_gmem.at[cta_m_slice, k_slice])
@@ -266,7 +297,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
         def _wait_drained():
           plgpu.barrier_wait(tile_drained)
 
-    for_each_work_item(config, pl.cdiv(m, cta_m), pl.cdiv(n, cta_n), work_item)
+    for_each_work_item(config, m_tiles, pl.cdiv(n, cta_n), work_item)
 
   # The last tile's stores must be done reading SMEM before the kernel
   # exits (their GMEM writes complete on their own).

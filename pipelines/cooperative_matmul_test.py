@@ -67,6 +67,41 @@ class CooperativeMatmulTest(base.MatmulTestBase):
                config_fields=dict(tile_n=96, epi_tile_n=32, wg_dimension=MatmulDimension.N))
 
   @parameterized.parameters(
+      # (M x K x N, layout, config fields, blocks): 4 M tiles in 2 pairs, 2
+      # tiles along N, on 2 clusters, each walking two pairs.
+      ((256, 128, 256), base.NN, {}, 4),
+      # 3 M tiles: the last pair's second block recomputes the last tile and
+      # must not store it (two blocks storing one tile race); a ragged N.
+      ((192, 128, 200), base.NN, {}, 2),
+      # Split K: a cluster's blocks share the RHS tiles of one K range.
+      ((128, 256, 128), base.NN, dict(k_splits=2), 4),
+      # Operands stored transposed, ragged M, K and N.
+      ((200, 80, 136), base.LAYOUTS[3], {}, 4),
+      # The heuristic's use: one-segment RHS tiles of 128-column warpgroup
+      # tiles, read in place at a ragged N.
+      ((320, 128, 300), base.NN,
+       dict(tile_n=128, rhs_tile_n=64, epi_tile_n=64, wg_dimension=MatmulDimension.M), 4),
+  )
+  def test_clusters_multicast_the_rhs(self, shape, layout, fields, num_blocks):
+    """Two CTAs per cluster compute vertically adjacent tiles and load each RHS
+    tile once for both (`TuningConfig.cluster_m`)."""
+    self.check(shape, jnp.float16, seed=53, layout=layout, num_blocks=num_blocks,
+               config_fields=dict(fields, cluster_m=2),
+               epilogue=Epilogue(activation="gelu", has_bias=fields.get("k_splits", 1) == 1))
+
+  @parameterized.parameters(
+      (MatmulDimension.M, base.NN), (MatmulDimension.N, base.NN),
+      (MatmulDimension.M, base.LAYOUTS[1]))
+  def test_rhs_tiles_narrower_than_the_warpgroup_tile(self, wg_dimension, layout):
+    """128-column warpgroup tiles loaded as two 64-column RHS tiles, one wgmma
+    and one accumulator each (`TuningConfig.rhs_tile_n`): a (K, N) RHS with
+    N = 360 is read in place as boxes; an (N, K) one is tiled along K."""
+    self.check((192, 128, 360), jnp.bfloat16, seed=55, layout=layout, num_blocks=3,
+               config_fields=dict(tile_n=128, rhs_tile_n=64, epi_tile_n=32,
+                                  wg_dimension=wg_dimension),
+               epilogue=Epilogue(activation="relu", has_bias=True))
+
+  @parameterized.parameters(
       # (blocks, M x K x N, k_splits, epilogue, out dtype): 2 splits of 2 K
       # steps; 4 splits of one step each, 8 work items on 3 blocks; ragged
       # M and N with the bias and activation applied after the sum.

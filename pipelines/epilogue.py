@@ -109,14 +109,16 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
   return scratch
 
 
-def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,
+def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,
                    wg_addend=None) -> None:
   """Applies `epilogue` to a compute warpgroup's accumulator and stores it with TMA.
 
   Runs in compute warpgroup `wg` of a matmul kernel, after its K loop.
 
   Args:
-    acc: (config.tile_m, config.tile_n) float32 accumulator value.
+    acc_blocks: the (config.tile_m, config.tile_n) float32 accumulator value,
+      as a sequence of column blocks of equal width, each a multiple of
+      config.epi_tile_n (one per RHS tile, `TuningConfig.rhs_tiles_per_wg`).
     wg: the warpgroup's index; it owns `out_smem[wg]` and `bias_smem[wg]`.
     wg_out: (tile_m, tile_n) GMEM ref of the output (TMA masks ragged edges).
     out_smem: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) SMEM staging
@@ -132,11 +134,13 @@ def store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilo
   """
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
   n_sub = config.tile_n // epi_n
+  block_n = config.tile_n // len(acc_blocks)
   slots = config.epilogue_slots
   num_stores = (config.tile_m // epi_m) * n_sub
   for i in range(config.tile_m // epi_m):
     for j in range(n_sub):
-      x = acc[i * epi_m:(i + 1) * epi_m, j * epi_n:(j + 1) * epi_n]
+      block, col = divmod(j * epi_n, block_n)
+      x = acc_blocks[block][i * epi_m:(i + 1) * epi_m, col:col + epi_n]
       if wg_addend is not None:
         # Straight from GMEM into the accumulator's layout: each thread loads
         # its pairs of adjacent elements. Mosaic GPU's "optimized" transfers

@@ -42,7 +42,7 @@ from pipelines.cooperative_matmul_sm90 import (
   pipeline_buffer_names,
 )
 from pipelines.epilogue import BIAS_DTYPE, Epilogue
-from pipelines.persistent_sm90 import SM_AXIS, WG_AXIS
+from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
 from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS, emit_pipelined_matmul
 
@@ -61,14 +61,20 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
 
 
 def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
-                    has_bias: bool = False, delay_release: int = 0) -> None:
+                    has_bias: bool = False, delay_release: int = 0,
+                    kernel: str | None = None) -> None:
   """Raises `ValueError` unless the warp-specialized kernel can run `config` on `problem`.
 
   `problem.k` must be a multiple of `config.tile_k`: `ws_matmul` checks the K
   it pads to (a multiple of tile_k * k_splits), the ring kernel its own.
   `delay_release` is a `pipeline_callback`'s hold on its slots
-  (`emit_cooperative_matmul`).
+  (`emit_cooperative_matmul`). `kernel` names a kernel that calls
+  `emit_cooperative_matmul` in blocks without clusters (the rings), which
+  cannot run `config.cluster_m` = 2; None for `ws_matmul`, which can.
   """
+  if kernel is not None and config.cluster_m != 1:
+    raise ValueError(f"cluster_m={config.cluster_m}: {kernel} runs blocks without clusters; "
+                     "use cluster_m=1")
   operands.check_k_tiles(problem, config.tile_k)
   check_swizzle(config, problem.dtype, transpose_lhs=problem.layout.transpose_lhs,
                 transpose_rhs=problem.layout.transpose_rhs)
@@ -99,21 +105,27 @@ def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
                             copy_tiles=operand_tile_minor_dims(
                                 config, transpose_lhs=problem.layout.transpose_lhs,
                                 transpose_rhs=problem.layout.transpose_rhs),
-                            out_tile_n=config.epi_tile_n)
+                            out_tile_n=config.epi_tile_n,
+                            rhs_multicast=config.cluster_m > 1)
 
 
-def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_axes=()):
+def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_axes=(),
+                      cluster_size: int = 1):
   """`plgpu.kernel` for a warp-specialized body: `num_blocks` persistent blocks on
   `SM_AXIS`, two compute warpgroups and a memory warpgroup on `WG_AXIS`.
 
+  With `cluster_size` > 1, `SM_AXIS` counts clusters of that many blocks
+  (`CLUSTER_AXIS`): num_blocks // cluster_size of them.
   Inside `jax.shard_map` its results vary over the mesh axes its arguments
   vary over, and over `collective_axes` (see `core.varying`).
   """
+  cluster = dict(cluster=(cluster_size,), cluster_names=(CLUSTER_AXIS,)) if cluster_size > 1 else {}
   return varying_kernel(plgpu.kernel(
       body,
       out_type=out_type,
-      grid=(num_blocks,),
+      grid=(num_blocks // cluster_size,),
       grid_names=(SM_AXIS,),
+      **cluster,
       num_threads=NUM_COMPUTE_WGS + 1,
       thread_name=WG_AXIS,
       compiler_params=compiler_params(),
@@ -197,10 +209,12 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
          layout=layout)
 
   splits = (config.k_splits,) if config.k_splits > 1 else ()
-  num_tiles = pl.cdiv(padded_m, config.cta_tile_m) * pl.cdiv(padded_n, config.cta_tile_n)
+  work_items = num_work_items(config, pl.cdiv(padded_m, config.cta_tile_m),
+                              pl.cdiv(padded_n, config.cta_tile_n))
+  clusters = min(device_facts().sm_count // config.cluster_m, work_items)
   kernel = persistent_kernel(
       body, out_type=jax.ShapeDtypeStruct((*splits, padded_m, padded_n), store_dtype),
-      num_blocks=min(device_facts().sm_count, num_tiles * config.k_splits),
+      num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
       name=f"ws_matmul_{config.schedule.value}_{layout.name}")
   out = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)))
   if not config.fuses_epilogue:

@@ -421,6 +421,14 @@ class BadInputTest(parameterized.TestCase):
       TuningConfig(k_splits=0)
     with self.assertRaisesRegex(ValueError, "k_splits=2 needs schedule=Schedule.COOPERATIVE"):
       TuningConfig(k_splits=2, schedule=Schedule.PINGPONG)
+    with self.assertRaisesRegex(ValueError, "rhs_tile_n=48 must divide tile_n=128"):
+      TuningConfig(rhs_tile_n=48)
+    with self.assertRaisesRegex(ValueError, "rhs_tile_n=32 .* multiple of epi_tile_n=64"):
+      TuningConfig(rhs_tile_n=32)
+    with self.assertRaisesRegex(ValueError, r"cluster_m=4 must be one of \(1, 2\)"):
+      TuningConfig(cluster_m=4)
+    with self.assertRaisesRegex(ValueError, "cluster_m=2 needs schedule=Schedule.COOPERATIVE"):
+      TuningConfig(cluster_m=2, schedule=Schedule.PINGPONG)
 
   def test_operand_swizzles_must_match(self):
     """A K tile narrower than 128 bytes would give the pipelined kernels'

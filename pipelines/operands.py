@@ -126,6 +126,16 @@ _MAX_M_RHS_BOXES_OFF_SECTOR = 256
 _L2_SECTOR_BYTES = 32
 
 
+def main_loop_us(problem: MatmulProblem, out_dtype, swizzle: int) -> float:
+  """The modelled time (us, H200) of a kernel's main loop on `problem` with its
+  operand tiles under `swizzle` (bytes): its FLOPs or its HBM traffic,
+  whichever takes longer, slowed by a swizzle narrower than 128 bytes."""
+  out_bytes = problem.m * problem.n * jnp.dtype(out_dtype).itemsize
+  operand_bytes = (problem.m + problem.n) * problem.k * problem.dtype.itemsize
+  return _SWIZZLE_SLOWDOWN[swizzle] * max(problem.flops / _KERNEL_FLOPS_PER_US,
+                                          (operand_bytes + out_bytes) / _KERNEL_BYTES_PER_US)
+
+
 def copy_us(shape: tuple[int, ...], dtype) -> float:
   """The modelled time (us, H200) of an XLA copy that writes an array of
   `shape` and `dtype`, as a pad or a slice does: its bytes read and written,
@@ -150,7 +160,7 @@ class TmaSizes:
 
 def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int, tile_n: int,
               copy_tiles: tuple[int, int], out_tile_n: int,
-              swizzles: tuple[int, ...] = SWIZZLE_BYTES) -> TmaSizes:
+              swizzles: tuple[int, ...] = SWIZZLE_BYTES, rhs_multicast: bool = False) -> TmaSizes:
   """The shapes the operands and the output are zero-padded to for a kernel's TMA copies.
 
   Mosaic GPU's TMA tiles a GMEM array as its SMEM tile: an array's major
@@ -166,8 +176,8 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   a 16-bit output under 64-column epilogue tiles) is copied as plain 2D
   boxes, which TMA masks at every edge (`core.tma_copies_in_place`): it is
   never padded unless its rows are off 16 bytes (an odd N of a float16
-  output), or it is a (K, N) RHS with rows off 32 bytes and M is over
-  `_MAX_M_RHS_BOXES_OFF_SECTOR`.
+  output), or it is a (K, N) RHS with rows off 32 bytes, M over
+  `_MAX_M_RHS_BOXES_OFF_SECTOR` and no multicast (`rhs_multicast`).
 
   Any other operand whose minor dimension is off the widest segment is
   either read in place with a narrower swizzle, which slows the whole main
@@ -198,6 +208,8 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
       copies (`config.operand_tile_minor_dims`).
     out_tile_n: the minor dimension of the tiles the kernel stores.
     swizzles: the swizzles (bytes) the kernel's tiles may take.
+    rhs_multicast: whether the kernel multicasts each RHS tile to a cluster
+      of two blocks (`TuningConfig.cluster_m`), which halves its L2 reads.
   """
   layout, dtype = problem.layout, problem.dtype
   widest, narrowest = max(swizzles), min(swizzles)
@@ -225,12 +237,10 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   # The minor dimensions of the operands' CTA tiles (a minor K has no such
   # floor: TMA fills the K past the array with zeros).
   minor_tiles = (tile_m if layout.transpose_lhs else 1, 1 if layout.transpose_rhs else tile_n)
-  rhs_boxes = (layout.transpose_rhs or problem.m <= _MAX_M_RHS_BOXES_OFF_SECTOR
+  rhs_boxes = (layout.transpose_rhs or rhs_multicast
+               or problem.m <= _MAX_M_RHS_BOXES_OFF_SECTOR
                or problem.n * dtype.itemsize % _L2_SECTOR_BYTES == 0)
-  out_bytes = problem.m * problem.n * jnp.dtype(out_dtype).itemsize
-  kernel_us = max(problem.flops / _KERNEL_FLOPS_PER_US,
-                  ((problem.m + problem.n) * k * dtype.itemsize + out_bytes)
-                  / _KERNEL_BYTES_PER_US)
+  padded_k = dataclasses.replace(problem, k=k)
   # Both operand tiles take one swizzle (`config.operand_swizzle`), which
   # their rows must be whole segments of: a 32-element float16 K step allows
   # 64 bytes at most, so no array is padded for a 128-byte swizzle it cannot take.
@@ -243,7 +253,7 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
                        stored, copy_tiles, minor_tiles, (True, rhs_boxes), strict=True))
     copies_us = sum(copy_us(new, dtype) for old, new in zip(stored, shapes, strict=True)
                     if new != old)
-    options.append((kernel_us * _SWIZZLE_SLOWDOWN[swizzle] + copies_us, shapes))
+    options.append((main_loop_us(padded_k, out_dtype, swizzle) + copies_us, shapes))
   # min() keeps the widest swizzle of equal costs.
   _, (lhs, rhs) = min(options, key=lambda option: option[0])
   # The output takes the widest swizzle its tiles fit (`epilogue.output_swizzle`).

@@ -6,7 +6,9 @@ block per SM on grid axis `SM_AXIS` and three warpgroups on thread axis
 `WG_AXIS`: two compute warpgroups and one memory warpgroup that only issues
 TMA loads. The blocks walk the output tiles in a swizzled order
 (`plgpu.planar_snake`), so consecutive tiles of neighbouring blocks share
-operand panels in L2.
+operand panels in L2. With `TuningConfig.cluster_m` = 2 the grid axis counts
+clusters of two blocks (`CLUSTER_AXIS`), which walk pairs of vertically
+adjacent tiles.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pipelines.config import NUM_COMPUTE_WGS, TuningConfig
 
 SM_AXIS = "sm"
+# The blocks of a cluster (`TuningConfig.cluster_m`), which share RHS tiles by multicast.
+CLUSTER_AXIS = "cluster"
 WG_AXIS = "wg"
 # Registers the memory warpgroup keeps; the compute warpgroups get the rest.
 MEMORY_WG_REGISTERS = 40
@@ -37,6 +43,12 @@ def compute_registers(memory_registers: int = MEMORY_WG_REGISTERS) -> int:
 WorkItemBody = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], None]
 
 
+def num_work_items(config: TuningConfig, m_tiles: int, n_tiles: int) -> int:
+  """The work items `for_each_work_item` hands out: per block, or with
+  `config.cluster_m` = 2 per cluster (a pair of vertically adjacent tiles)."""
+  return config.k_splits * pl.cdiv(m_tiles, config.cluster_m) * n_tiles
+
+
 def for_each_work_item(config: TuningConfig, m_tiles: int, n_tiles: int,
                        body: WorkItemBody) -> None:
   """Runs `body` for each of this block's work items, in the swizzled tile order.
@@ -45,13 +57,22 @@ def for_each_work_item(config: TuningConfig, m_tiles: int, n_tiles: int,
   output tile) pair. The K range varies slowest, so blocks that run at the
   same time share operand panels in L2. `local_index` counts this block's
   work items from 0.
-  """
-  num_tiles = m_tiles * n_tiles
 
-  @plgpu.nd_loop((config.k_splits * num_tiles,), collective_axes=SM_AXIS)
+  With `config.cluster_m` = 2 the clusters walk pairs of M tiles, and the
+  block of index c in its cluster takes M tile 2 * pair + c: both blocks run
+  the same number of work items, in step, as the multicast loads they share
+  need. With an odd number of M tiles the last pair's second tile is
+  `m_tiles`, past the output, which `body` must not store.
+  """
+  pairs = pl.cdiv(m_tiles, config.cluster_m)
+  num_tiles = pairs * n_tiles
+
+  @plgpu.nd_loop((num_work_items(config, m_tiles, n_tiles),), collective_axes=SM_AXIS)
   def _loop(loop_info: plgpu.NDLoopInfo):
     (linear,) = loop_info.index
     split, tile = divmod(linear, num_tiles) if config.k_splits > 1 else (0, linear)
-    m_tile, n_tile = plgpu.planar_snake(tile, (m_tiles, n_tiles), config.grid_minor_dim,
+    m_tile, n_tile = plgpu.planar_snake(tile, (pairs, n_tiles), config.grid_minor_dim,
                                         config.grid_tile_width)
+    if config.cluster_m > 1:
+      m_tile = m_tile * config.cluster_m + lax.axis_index(CLUSTER_AXIS)
     body(split, m_tile, n_tile, loop_info.local_index)

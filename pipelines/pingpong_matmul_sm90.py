@@ -204,7 +204,7 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
             if bias_gmem is not None:
               plgpu.barrier_wait(bias_loaded.at[wg])
             wg_out = out_gmem.at[pl.ds(m_tile * tile_m, tile_m), n_slice]
-            store_epilogue(acc, wg, wg_out, out_smem, bias_smem, config, epilogue)
+            store_epilogue((acc,), wg, wg_out, out_smem, bias_smem, config, epilogue)
 
       tile_loop(compute_tile)
       # The last tile's stores must be done reading SMEM before the kernel

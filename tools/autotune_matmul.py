@@ -43,6 +43,11 @@ _SCHEDULES = flags.DEFINE_list("schedules", None,
                                "Override the space's schedules (COOPERATIVE, PINGPONG).")
 _K_SPLITS = flags.DEFINE_list("k_splits", None,
                               "Override the space's k_splits values (split-K; default 1).")
+_RHS_TILE_N = flags.DEFINE_list("rhs_tile_n", None,
+                                 "Override the space's rhs_tile_n values (None: the warpgroup "
+                                 "tile's width; 64: one-segment RHS tiles).")
+_CLUSTER_M = flags.DEFINE_list("cluster_m", None,
+                               "Override the space's cluster_m values (1, 2: RHS multicast).")
 _CONFIGS = flags.DEFINE_multi_string(
     "config", [], "Sweep exactly these configs instead of a space: TuningConfig fields, e.g. "
     "schedule=PINGPONG,tile_m=128,tile_n=192; repeat the flag for each.")
@@ -65,6 +70,9 @@ def search_space() -> autotune.SearchSpace | list[TuningConfig]:
       "epi_tile": _EPI.value and tuple(cli.parse_shape(v, 2) for v in _EPI.value),
       "schedule": _SCHEDULES.value and tuple(Schedule[v] for v in _SCHEDULES.value),
       "k_splits": _K_SPLITS.value and ints(_K_SPLITS.value),
+      "rhs_tile_n": _RHS_TILE_N.value and tuple(None if v == "None" else int(v)
+                                                for v in _RHS_TILE_N.value),
+      "cluster_m": _CLUSTER_M.value and ints(_CLUSTER_M.value),
   }
   return dataclasses.replace(space, **{k: v for k, v in overrides.items() if v})
 
