@@ -121,10 +121,13 @@ class CooperativeMatmulTest(base.MatmulTestBase):
   def test_real_sizes_and_epilogues(self):
     if self.backend != testing.GPU:
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
-    # The heuristic's configs; the last two take its split K (8 and 4 ranges).
+    # The heuristic's configs; 512x16384x1024 and 250x8192x4000 take its
+    # split K (8 and 4 ranges); the last two its one-segment RHS tiles in
+    # clusters (333 rows: 3 M tiles, an odd count; and 2 K ranges).
     for (m, k, n), activation in (((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu"),
                                   ((8192, 1024, 2048), "silu"), ((1024, 2048, 1024), "relu"),
-                                  ((512, 16384, 1024), "gelu"), ((250, 8192, 4000), "silu")):
+                                  ((512, 16384, 1024), "gelu"), ((250, 8192, 4000), "silu"),
+                                  ((1000, 4096, 3000), "gelu"), ((333, 4096, 3000), "relu")):
       lhs, rhs = base.operands(8, m, k, n, jnp.bfloat16)
       bias = testing.random_array(9, (n,), jnp.bfloat16)
       out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation)

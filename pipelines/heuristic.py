@@ -65,6 +65,16 @@ _DECODE_MAX_M = 16
 # on seven, whose second warpgroup computes rows past M (PERFORMANCE.md).
 _IN_PLACE_RHS_TILE = (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.M), 1.5)
 _IN_PLACE_RHS_MAX_M = 256
+# A warpgroup tile's main loop, in one-segment RHS tiles (`TuningConfig.rhs_tile_n`),
+# relative to one RHS tile of its width, by the number of segments: each is a
+# wgmma of its own, which reads the LHS tile from SMEM again. On an H200: 1.6-2%
+# for 128x192 CTA tiles on aligned rows (1000x4096x3072); 128x256 ones in place
+# ran 3.5% slower than with a 16 us pad of the RHS at 8192x4096x3000, 1.8% at
+# 8192x8192x4040 (bf16), and 2% faster at 4096x4096x4040 and 4096x1024x4040,
+# where the pad is 13-16% of the modelled main loop, not 6%: about 10%
+# (PERFORMANCE.md). 128x128 tiles were not measured on aligned rows; they gained
+# 10-19% where a pad or a narrower swizzle was 20-32% of the main loop.
+_ONE_SEGMENT_RHS_TILES_COST = {2: 1.02, 3: 1.02, 4: 1.10}
 # `_estimated_time_us` models a problem with too few tiles to fill the SMs, on
 # an H200. Its constants were fitted to the split-K and small-output sweeps
 # (PERFORMANCE.md): on each of the 13 problems measured, it chooses the
@@ -245,6 +255,63 @@ def _with_unpadded_output(config: TuningConfig, problem: operands.MatmulProblem,
   return candidate if unpadded and fits else config
 
 
+def _with_rhs_in_place(config: TuningConfig, problem: operands.MatmulProblem,
+                       out_dtype) -> TuningConfig:
+  """`config`, or the same with one-segment RHS tiles multicast to clusters of
+  two CTAs where that reads a (K, N) RHS in place at the widest swizzle.
+
+  RHS tiles several segments wide are copied tiled, so a (K, N) RHS whose N
+  is off 64 columns is padded (N = 3000: a copy of the whole RHS) or, with N
+  on 32 columns, read under a narrower swizzle. One-segment RHS tiles
+  (`TuningConfig.rhs_tile_n`) are boxes, read in place at any N on 16
+  bytes. Their rows then start off 128 bytes, so each spans one more
+  128-byte line, which every row of CTA tiles reads again from L2; two CTAs
+  along M that share each RHS tile by multicast (`TuningConfig.cluster_m`)
+  halve those reads. On an H200 at 1000x4096x3000 (f16): 51.0 us padded,
+  41.0 in place, 35.7 in place with clusters (`jnp.dot`: 35.6). Each extra
+  RHS tile costs the main loop a wgmma that rereads the LHS tile from SMEM
+  (`_ONE_SEGMENT_RHS_TILES_COST`), so the change is made where the model
+  has it spare more than that: the RHS copy (`operands.copy_us`) or the
+  narrower swizzle's slowdown. Only for M over `_IN_PLACE_RHS_MAX_M`:
+  smaller M has tiles of its own that read such an RHS in place. Clusters
+  are used unless the pairs of M tiles (an odd count leaves one block of
+  the last pair computing for nothing) would take another wave.
+  """
+  segment = max(SWIZZLE_BYTES) // problem.dtype.itemsize
+  if (problem.is_empty or problem.layout.transpose_rhs or problem.m <= _IN_PLACE_RHS_MAX_M
+      or config.schedule != Schedule.COOPERATIVE or config.rhs_tile_width <= segment
+      or config.tile_n % segment):
+    return config
+  stored = problem.layout.rhs_shape(problem.k, problem.n)
+  sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
+  swizzle = _kernel_operand_swizzle(config, problem, sizes)
+  current_us = operands.main_loop_us(problem, out_dtype, swizzle)
+  if sizes.rhs != stored:
+    current_us += operands.copy_us(sizes.rhs, problem.dtype)
+  in_place_us = (operands.main_loop_us(problem, out_dtype, max(SWIZZLE_BYTES))
+                 * _ONE_SEGMENT_RHS_TILES_COST[config.tile_n // segment])
+  if in_place_us >= current_us:
+    return config
+  # Work items per M tile, and waves of them on the SMs, alone or in pairs.
+  m_tiles = -(-problem.m // config.cta_tile_m)
+  per_m_tile = -(-problem.n // config.cta_tile_n) * config.k_splits
+  sm_count = device_facts().sm_count
+  waves = -(-m_tiles * per_m_tile // sm_count)
+  pairs = -(-m_tiles // 2)
+  cluster_waves = -(-pairs * per_m_tile // (sm_count // 2))
+  clustered = cluster_waves <= waves
+  candidate = dataclasses.replace(config, rhs_tile_n=segment,
+                                  epi_tile_n=math.gcd(config.epi_tile_n, segment),
+                                  cluster_m=2 if clustered else 1)
+  candidate_sizes = kernel_call.ws_tma_sizes(candidate, problem, out_dtype)
+  in_place = (candidate_sizes.rhs == stored and candidate_sizes.lhs == sizes.lhs
+              and _kernel_operand_swizzle(candidate, problem, candidate_sizes)
+              == max(SWIZZLE_BYTES))
+  fits = kernel_call.ws_smem_budget(candidate, operands.pad_k(problem, config.tile_k),
+                                    out_dtype, has_bias=True).fits()
+  return candidate if in_place and fits else config
+
+
 def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   """A sound config without tuning.
 
@@ -273,7 +340,10 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   place, the others paying for the copy: 64x128 tiles where M <= 64
   (1x8192x3000: 2.0x faster than 128x64 tiles), 128x64 ones above
   (`_IN_PLACE_RHS_TILE`; 128x8192x3000: 2.1x faster than padded 128x192
-  tiles).
+  tiles). Beyond M = 256, wider tiles load such an RHS in 64-column tiles
+  multicast to 2-CTA clusters, where the model has that cheaper than the pad
+  or a narrower swizzle (`_with_rhs_in_place`; 1000x4096x3000: 1.42x faster
+  than padded, level with cuBLAS).
 
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
@@ -291,7 +361,8 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     problem: the (M, K, N) problem and operand dtype.
     out_dtype: the output dtype (the SMEM of the epilogue tiles).
   """
-  config = _with_unpadded_output(_tiled_config(problem, out_dtype), problem, out_dtype)
+  config = _with_rhs_in_place(_tiled_config(problem, out_dtype), problem, out_dtype)
+  config = _with_unpadded_output(config, problem, out_dtype)
   return _with_one_segment_k_step(config, problem, out_dtype)
 
 

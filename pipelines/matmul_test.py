@@ -136,7 +136,9 @@ class MatmulApiTest(testing.KernelTestCase):
                                     ((100, 4096, 1000), base.NN, 0),
                                     ((333, 48, 1000), base.LAYOUTS[1], 0),  # (N, K) RHS.
                                     ((104, 4096, 3000), base.NN, 0),
-                                    ((1000, 4096, 3000), base.NN, 1)):  # The RHS.
+                                    # One-segment RHS tiles, multicast to clusters.
+                                    ((1000, 4096, 3000), base.NN, 0),
+                                    ((4999, 4096, 2500), base.NN, 1)):  # RHS rows off 16 B.
       lhs, rhs = base.operands(47, m, k, n, jnp.float16, layout)
       run = jax.jit(functools.partial(matmul, transpose_lhs=layout.transpose_lhs,
                                       transpose_rhs=layout.transpose_rhs))
@@ -163,6 +165,36 @@ class MatmulApiTest(testing.KernelTestCase):
         text = run.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
       self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, f"{m}x{k}x{n}")
       self.assertEqual(text.count("stablehlo.pad"), pads, f"{m}x{k}x{n}")
+
+  def test_heuristic_multicasts_one_segment_rhs_tiles(self):
+    """Where M is over 256 and the heuristic's RHS tiles, several segments
+    wide, would pad a (K, N) RHS (N = 3000, 4040) or take a narrower swizzle
+    (N = 4000), it loads them as one-segment tiles multicast to clusters of
+    two CTAs: lowered for an H200 on CPU, no pad. Aligned rows, a transposed
+    RHS and rows off 16 bytes (N = 2500, padded either way) keep their config."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("checks the lowering on CPU")
+    for (m, k, n), layout, changed in (((1000, 4096, 3000), base.NN, True),
+                                       ((1024, 4096, 3000), base.LAYOUTS[2], True),
+                                       ((333, 4096, 3000), base.NN, True),
+                                       ((4096, 4096, 4040), base.NN, True),
+                                       ((4096, 4096, 4000), base.NN, True),
+                                       ((1000, 4096, 3072), base.NN, False),
+                                       ((1000, 4096, 3000), base.LAYOUTS[1], False),
+                                       ((4999, 4096, 2500), base.NN, False),
+                                       ((200, 4096, 3000), base.NN, False)):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16), layout=layout)
+      config = default_config(problem, jnp.float16)
+      what = f"{m}x{k}x{n} {layout.name}"
+      self.assertEqual((config.rhs_tile_n, config.cluster_m),
+                       (64, 2) if changed else (None, 1), what)
+      if changed:
+        lhs, rhs = base.operands(49, m, k, n, jnp.float16, layout)
+        run = jax.jit(functools.partial(kernel_call.ws_matmul, config=config, layout=layout))
+        with interpret.interpret_disabled():
+          text = run.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
+        self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, what)
+        self.assertEqual(text.count("stablehlo.pad"), 0, what)
 
   def test_heuristic_fills_the_sms(self):
     """128x256 CTA tiles while they make a full wave on 132 SMs, smaller ones below that."""
@@ -253,8 +285,10 @@ class MatmulApiTest(testing.KernelTestCase):
     """Where wider tiles would pad a (K, N) RHS whose N is off 64 columns and
     M is at most 256, tiles with one-segment RHS tiles read it in place as
     boxes: 64x128 CTA tiles (a 64-column RHS tile per warpgroup) where M fits
-    one row of them, else 128x64 ones. Larger M, aligned N and an (N, K) RHS
-    keep the model's other tiles, and the RHS pads of a ragged N."""
+    one row of them, else 128x64 ones. Aligned N and an (N, K) RHS keep the
+    model's other tiles, and so does larger M, whose wide tiles read the RHS
+    in place by multicast (`test_heuristic_multicasts_one_segment_rhs_tiles`)
+    and whose 64x128 tiles pad rows off 32 bytes."""
     f16 = jnp.float16
     nt = ops.OperandLayout(transpose_rhs=True)
     for (m, k, n), layout, in_place_tile in (((128, 8192, 3000), ops.NN, (128, 64)),
@@ -263,7 +297,6 @@ class MatmulApiTest(testing.KernelTestCase):
                                              ((64, 8192, 4040), ops.NN, (64, 128)),
                                              ((16, 8192, 4040), ops.NN, (64, 128)),
                                              ((1, 8192, 3000), ops.NN, (64, 128)),
-                                             ((333, 4096, 3000), ops.NN, None),
                                              ((700, 8192, 3000), ops.NN, None),
                                              ((128, 8192, 4096), ops.NN, None),  # Aligned.
                                              ((128, 8192, 3000), nt, None)):
@@ -346,7 +379,8 @@ class MatmulApiTest(testing.KernelTestCase):
     for (m, k, n), out_dtype, epi_tile_n in (((4096, 4096, 4040), f16, 64),
                                              ((8192, 4096, 3000), f16, 64),
                                              ((4096, 4096, 1000), f16, 64),
-                                             ((4096, 4096, 4000), f16, 128),  # 64-byte swizzle.
+                                             # 64-column RHS tiles, as the next test has it.
+                                             ((4096, 4096, 4000), f16, 64),
                                              ((4096, 4096, 4096), f16, 128),
                                              ((4096, 4096, 4040), f32, 64)):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16))
