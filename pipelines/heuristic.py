@@ -255,6 +255,19 @@ def _with_unpadded_output(config: TuningConfig, problem: operands.MatmulProblem,
   return candidate if unpadded and fits else config
 
 
+def _with_rhs_copy_us(config: TuningConfig, time_us: float, problem: operands.MatmulProblem,
+                      out_dtype) -> float:
+  """`time_us`, the modelled time of `config`, with its RHS copy added, or
+  times `_ONE_SEGMENT_RHS_TILES_COST` where `_with_rhs_in_place` reads that
+  RHS in place instead."""
+  # Two stages: the fewest `default_config` gives any tile, so the SMEM check fits.
+  config = dataclasses.replace(config, max_concurrent_steps=2)
+  in_place = _with_rhs_in_place(config, problem, out_dtype)
+  if in_place != config:
+    return time_us * _ONE_SEGMENT_RHS_TILES_COST[config.tile_n // in_place.rhs_tile_n]
+  return time_us + _rhs_padding_us(config, problem, out_dtype)
+
+
 def _with_rhs_in_place(config: TuningConfig, problem: operands.MatmulProblem,
                        out_dtype) -> TuningConfig:
   """`config`, or the same with one-segment RHS tiles multicast to clusters of
@@ -343,7 +356,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   tiles). Beyond M = 256, wider tiles load such an RHS in 64-column tiles
   multicast to 2-CTA clusters, where the model has that cheaper than the pad
   or a narrower swizzle (`_with_rhs_in_place`; 1000x4096x3000: 1.42x faster
-  than padded, level with cuBLAS).
+  than padded, level with cuBLAS); where such an output has too few tiles for
+  a wave, the model weighs each tile's pad against that (700x8192x3000:
+  128x192 tiles in clusters, 1.76x faster than padded 64x128 ones).
 
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
@@ -405,12 +420,22 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
       # min() below keeps the first of equal times.
       candidates = ((_IN_PLACE_RHS_TILE, *candidates) if problem.m > _SMALL_TILE.cta_tile_m
                     else (*candidates, _IN_PLACE_RHS_TILE))
+    # Beyond M = 256, each option pays for its pad of an RHS whose rows are
+    # off 128 bytes or, where `_with_rhs_in_place` would read that RHS in
+    # place in one-segment tiles, for their extra wgmmas (12 problems on an
+    # H200, each 1.02-1.78x faster than without this, PERFORMANCE.md).
+    weigh_in_place = (not problem.is_empty and problem.m > _IN_PLACE_RHS_MAX_M
+                      and not problem.layout.transpose_rhs and ragged_rows)
     options = []
     for i, (tiles, tile_cost) in enumerate(candidates):
-      copy_us = padding_us[tiles] if weigh_pads else 0.0
-      options += [(_estimated_time_us(problem, tiles, tile_cost, splits) + copy_us, i, tiles,
-                   splits)
-                  for splits in _k_splits_options(problem, tiles)]
+      for splits in _k_splits_options(problem, tiles):
+        time_us = _estimated_time_us(problem, tiles, tile_cost, splits)
+        if weigh_pads:
+          time_us += padding_us[tiles]
+        elif weigh_in_place:
+          time_us = _with_rhs_copy_us(dataclasses.replace(tiles, k_splits=splits), time_us,
+                                      problem, out_dtype)
+        options.append((time_us, i, tiles, splits))
     # min() keeps the first (largest tile, fewest splits) of equal costs.
     *_, tiles, splits = min(options, key=lambda option: option[:2])
   if problem.n <= 128:

@@ -177,6 +177,7 @@ class MatmulApiTest(testing.KernelTestCase):
     for (m, k, n), layout, changed in (((1000, 4096, 3000), base.NN, True),
                                        ((1024, 4096, 3000), base.LAYOUTS[2], True),
                                        ((333, 4096, 3000), base.NN, True),
+                                       ((700, 8192, 3000), base.NN, True),
                                        ((4096, 4096, 4040), base.NN, True),
                                        ((4096, 4096, 4000), base.NN, True),
                                        ((1000, 4096, 3072), base.NN, False),
@@ -195,6 +196,23 @@ class MatmulApiTest(testing.KernelTestCase):
           text = run.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
         self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, what)
         self.assertEqual(text.count("stablehlo.pad"), 0, what)
+
+  def test_heuristic_weighs_rhs_pads_beyond_256_rows(self):
+    """Where M is over 256 and the output has too few tiles for a wave of
+    128x256 ones, the model weighs each tile's RHS pad against the extra
+    wgmmas of reading it in place in one-segment tiles: 64x128 CTA tiles,
+    which pad an RHS with rows off 32 bytes there, give way to wider tiles
+    in clusters (700x8192x3000: 1.76x faster on an H200)."""
+    for (m, k, n), expected in (((700, 8192, 3000), (128, 192, 1)),
+                                ((1000, 4096, 1000), (128, 128, 2)),
+                                ((1000, 8192, 1000), (128, 128, 2)),
+                                ((333, 2048, 8200), (128, 256, 1))):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
+      config = default_config(problem, jnp.float16)
+      what = f"{m}x{k}x{n}"
+      self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), expected, what)
+      self.assertEqual((config.rhs_tile_n, config.cluster_m), (64, 2), what)
+      self.assertEqual(kernel_call.ws_tma_sizes(config, problem, jnp.float16).rhs, (k, n), what)
 
   def test_heuristic_fills_the_sms(self):
     """128x256 CTA tiles while they make a full wave on 132 SMs, smaller ones below that."""
@@ -286,9 +304,8 @@ class MatmulApiTest(testing.KernelTestCase):
     M is at most 256, tiles with one-segment RHS tiles read it in place as
     boxes: 64x128 CTA tiles (a 64-column RHS tile per warpgroup) where M fits
     one row of them, else 128x64 ones. Aligned N and an (N, K) RHS keep the
-    model's other tiles, and so does larger M, whose wide tiles read the RHS
-    in place by multicast (`test_heuristic_multicasts_one_segment_rhs_tiles`)
-    and whose 64x128 tiles pad rows off 32 bytes."""
+    model's other tiles and the RHS pads of a ragged N (larger M:
+    `test_heuristic_multicasts_one_segment_rhs_tiles`)."""
     f16 = jnp.float16
     nt = ops.OperandLayout(transpose_rhs=True)
     for (m, k, n), layout, in_place_tile in (((128, 8192, 3000), ops.NN, (128, 64)),
@@ -297,7 +314,6 @@ class MatmulApiTest(testing.KernelTestCase):
                                              ((64, 8192, 4040), ops.NN, (64, 128)),
                                              ((16, 8192, 4040), ops.NN, (64, 128)),
                                              ((1, 8192, 3000), ops.NN, (64, 128)),
-                                             ((700, 8192, 3000), ops.NN, None),
                                              ((128, 8192, 4096), ops.NN, None),  # Aligned.
                                              ((128, 8192, 3000), nt, None)):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16), layout=layout)
