@@ -63,8 +63,29 @@ _DECODE_MAX_M = 16
 # M = 100-256 the 128x64 tile ran 0-8% faster than the 64x128 one on seven
 # problems, at M = 1-64 the 64x128 one 1.1-2.0x faster than the 128x64 one
 # on seven, whose second warpgroup computes rows past M (PERFORMANCE.md).
-_IN_PLACE_RHS_TILE = (TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.M), 1.5)
+_TILE_128X64 = TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.M)
+_IN_PLACE_RHS_TILE = (_TILE_128X64, 1.5)
 _IN_PLACE_RHS_MAX_M = 256
+# Outputs at most one 64-column segment wide (LoRA projections to a low rank,
+# MoE routers: N <= `_NARROW_MAX_N`) stream the LHS and compute little, so
+# every tile wider than N multiplies zero columns and pads the RHS and the
+# output. They take CTA tiles 64 columns wide instead: 128x64 (two 64x64
+# warpgroup tiles along M), or where M fits 64 rows, 64x64 (two 64x32 tiles
+# along N), since a 128-row tile's second warpgroup would compute rows past
+# M. Their splits of K come from `_estimated_time_us` at a relative cost of
+# 1.0 per multiply-add (the work is HBM-bound; the fitted value) in ranges as
+# short as 256 (4 K steps), with 8 operand stages. On an H200 (f16, 18
+# problems of N = 16-64, M = 64-16384, K = 1024-14336; PERFORMANCE.md) that
+# picks, on each, a split within 8% of the fastest one measured for its tile;
+# 4096x4096x64 in 4 ranges: 9.6 us against 13.5 for the 128x128 tiles the
+# model chose before (jnp.dot: 12.7); 64x4096x64 in 16 ranges of 64x64
+# tiles: 3.6 us against 6.7 (jnp.dot: 3.2).
+_NARROW_MAX_N = 64
+_NARROW_TILE = (_TILE_128X64, 1.0)
+_NARROW_DECODE_TILE = (TuningConfig(tile_m=64, tile_n=32, epi_tile_n=32,
+                                    wg_dimension=MatmulDimension.N), 1.0)
+_MIN_SPLIT_K_NARROW = 256
+_NARROW_STAGES = (8, 6, 4, 3, 2)
 # A warpgroup tile's main loop, in one-segment RHS tiles (`TuningConfig.rhs_tile_n`),
 # relative to one RHS tile of its width, by the number of segments: each is a
 # wgmma of its own, which reads the LHS tile from SMEM again. On an H200: 1.6-2%
@@ -119,7 +140,9 @@ _PINGPONG_CONFIG = TuningConfig(tile_m=128, tile_n=192, tile_k=64, max_concurren
                                 grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
                                 schedule=Schedule.PINGPONG)
 _PINGPONG_MAX_K = 2048
-(_HEURISTIC_TILE_K,) = {tiles.tile_k for tiles, _ in _HEURISTIC_TILES} | {_PINGPONG_CONFIG.tile_k}
+(_HEURISTIC_TILE_K,) = ({tiles.tile_k for tiles, _ in _HEURISTIC_TILES}
+                        | {_PINGPONG_CONFIG.tile_k, _TILE_128X64.tile_k,
+                           _NARROW_DECODE_TILE[0].tile_k})
 _PINGPONG_MAX_EXTRA_WORK = 1.05
 
 
@@ -134,18 +157,21 @@ def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig,
   return waves * config.cta_tile_m * config.cta_tile_n * tile_cost
 
 
-def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig):
+def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig,
+                      min_k: int | None = None):
   """1, and each split of K into equal whole K steps that keeps one work item
-  per SM and ranges at least `_MIN_SPLIT_K` long (`_MIN_SPLIT_K_192_TILE`
-  for 192-wide CTA tiles, `_MIN_SPLIT_K_WIDE_TILE` for wider ones)."""
+  per SM and ranges at least `min_k` long: by default `_MIN_SPLIT_K`
+  (`_MIN_SPLIT_K_192_TILE` for 192-wide CTA tiles, `_MIN_SPLIT_K_WIDE_TILE`
+  for wider ones)."""
   k_steps = problem.k // config.tile_k
   num_tiles = _num_tiles(problem, config)
-  if config.cta_tile_n <= 128:
-    min_k = _MIN_SPLIT_K
-  elif config.cta_tile_n <= 192:
-    min_k = _MIN_SPLIT_K_192_TILE
-  else:
-    min_k = _MIN_SPLIT_K_WIDE_TILE
+  if min_k is None:
+    if config.cta_tile_n <= 128:
+      min_k = _MIN_SPLIT_K
+    elif config.cta_tile_n <= 192:
+      min_k = _MIN_SPLIT_K_192_TILE
+    else:
+      min_k = _MIN_SPLIT_K_WIDE_TILE
   yield 1
   for splits in range(2, k_steps + 1):
     if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
@@ -360,6 +386,12 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   a wave, the model weighs each tile's pad against that (700x8192x3000:
   128x192 tiles in clusters, 1.76x faster than padded 64x128 ones).
 
+  Outputs at most 64 columns wide (N <= 64: low-rank projections, routers)
+  take 64-column CTA tiles, 128x64 or, where M <= 64, 64x64, in the split
+  of K the model has fastest, with ranges as short as 256 and 8 stages
+  (`_NARROW_TILE`; 4096x4096x64: 1.33x cuBLAS in 4 ranges, where 128x128
+  tiles ran at 0.96x).
+
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
   8192x8192x256: 5-11% faster than 4 stages); larger tiles and float32
@@ -381,6 +413,22 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   return _with_one_segment_k_step(config, problem, out_dtype)
 
 
+def _narrow_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
+  """`default_config` for an output at most `_NARROW_MAX_N` columns wide
+  (`problem` with K rounded up to whole K steps): 64-column CTA tiles, the
+  split of K the model has fastest, the deepest pipeline that fits."""
+  tiles, tile_cost = (_NARROW_DECODE_TILE if problem.m <= _NARROW_DECODE_TILE[0].cta_tile_m
+                      else _NARROW_TILE)
+  # min() keeps the fewest splits of equal times.
+  splits = min(_k_splits_options(problem, tiles, min_k=_MIN_SPLIT_K_NARROW),
+               key=lambda splits: _estimated_time_us(problem, tiles, tile_cost, splits))
+  for steps in _NARROW_STAGES:
+    config = dataclasses.replace(tiles, max_concurrent_steps=steps, k_splits=splits)
+    if kernel_call.ws_smem_budget(config, problem, out_dtype, has_bias=True).fits():
+      return config
+  raise AssertionError("unreachable: two stages of 64-column tiles always fit")
+
+
 def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   """`default_config`'s tiles, split, stages and epilogue tiles, before the
   changes that spare a padding copy (`_with_unpadded_output`,
@@ -388,6 +436,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   # Every heuristic tile steps through K in 64s; a last partial step costs a
   # whole one, so the model sees K rounded up.
   problem = operands.pad_k(problem, _HEURISTIC_TILE_K)
+  if problem.n <= _NARROW_MAX_N:
+    return _narrow_config(problem, out_dtype)
   (largest, _), (wide, wide_cost), *_ = _HEURISTIC_TILES
   if _num_tiles(problem, largest) >= device_facts().sm_count:
     # At least one full wave of the largest tile: its efficiency wins, unless

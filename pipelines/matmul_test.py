@@ -342,6 +342,36 @@ class MatmulApiTest(testing.KernelTestCase):
                                 ((64, 8192, 8192), (64, 128, 2))):
       self.assert_cta_tile_and_splits((m, k, n), jnp.float16, expected)
 
+  def test_heuristic_narrow_outputs(self):
+    """Outputs at most 64 columns wide take 64-column CTA tiles, 128x64 or
+    64x64 where M fits 64 rows, in the split of K the model has fastest
+    (ranges down to 256) and 8 stages: no tile multiplies zero columns past
+    N (before, 128x128 or 64x128 tiles, 0.48-0.96x cuBLAS on an H200)."""
+    for (m, k, n), expected in (((64, 4096, 64), (64, 64, 16)),
+                                ((64, 4096, 16), (64, 64, 16)),
+                                ((1000, 4096, 64), (128, 64, 16)),
+                                ((2048, 4096, 32), (128, 64, 8)),
+                                ((4096, 4096, 64), (128, 64, 4)),
+                                ((4096, 14336, 16), (128, 64, 4)),
+                                ((8192, 4096, 64), (128, 64, 1)),  # 64 tiles: a split lost.
+                                ((32768, 4096, 48), (128, 64, 1))):
+      self.assert_cta_tile_and_splits((m, k, n), jnp.float16, expected)
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
+      self.assertEqual(default_config(problem, jnp.float16).max_concurrent_steps, 8)
+
+  def test_narrow_outputs_lower_without_pads(self):
+    """Lowered for an H200 on CPU: the 64-column CTA tiles of an output at
+    most 64 wide read a (K, N) RHS of N = 64 or 48 in place, where 128-column
+    tiles padded it to 128 columns and sliced the output."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("checks the lowering on CPU")
+    for m, k, n in ((64, 4096, 64), (4096, 4096, 64), (1000, 4096, 48)):
+      lhs, rhs = base.operands(49, m, k, n, jnp.float16, base.NN)
+      with interpret.interpret_disabled():
+        text = jax.jit(matmul).trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
+      self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, f"{m}x{k}x{n}")
+      self.assertEqual(text.count("stablehlo.pad"), 0, f"{m}x{k}x{n}")
+
   def test_heuristic_stages(self):
     """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
     split K and large tiles fewer."""
