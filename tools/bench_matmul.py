@@ -17,7 +17,8 @@ back-to-back calls (`tools.gpu_sampling.sustained_run`).
     --ws_config=schedule=PINGPONG,tile_m=128,tile_n=128,max_concurrent_steps=3
 
 `--suite=shapes` times the shape classes users have beyond the aligned suite
-(M and N off the tiles, decode-size M, small outputs with a long K, K off 64);
+(M and N off the tiles, decode-size M, small outputs with a long K, K off 64),
+`--suite=narrow` outputs at most 64 columns wide (N = 16-64);
 where the tuning cache has an entry, a second row shows the heuristic's config.
 `--layout=TN` (repeatable: NN, TN, NT, TT) times operands stored transposed,
 against XLA's dot_general on the same stored arrays; `--backward` adds the
@@ -63,11 +64,16 @@ SHAPE_CLASSES = ((1000, 4096, 3000), (333, 2048, 1111), (4999, 4096, 2500), (100
                  (1, 8192, 8192), (16, 8192, 8192), (64, 4096, 14336),
                  (256, 16384, 256), (128, 32768, 128),
                  (4096, 80, 4096), (8192, 144, 8192), (2048, 48, 2048))
-SUITES = {"aligned": SUITE, "shapes": SHAPE_CLASSES}
+# Outputs at most 64 columns wide (low-rank projections, routers), which the
+# heuristic gives 64-column CTA tiles.
+NARROW_OUTPUTS = ((64, 4096, 64), (1000, 4096, 64), (4096, 4096, 64), (4096, 14336, 64),
+                  (3000, 4096, 48), (8192, 4096, 32), (4096, 4096, 16), (16384, 4096, 16))
+SUITES = {"aligned": SUITE, "shapes": SHAPE_CLASSES, "narrow": NARROW_OUTPUTS}
 
 _SUITE = flags.DEFINE_enum("suite", "aligned", list(SUITES),
-                           "Shapes to time when --shapes is not given: the aligned suite, or "
-                           "the shape classes (ragged, decode-size, long-K, K off 64).")
+                           "Shapes to time when --shapes is not given: the aligned suite, "
+                           "the shape classes (ragged, decode-size, long-K, K off 64), or "
+                           "outputs at most 64 columns wide.")
 _SHAPES = flags.DEFINE_list("shapes", None, "Problems as MxKxN (instead of --suite).")
 _DTYPES = flags.DEFINE_list("dtypes", ["float16", "bfloat16"], "Operand dtypes.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per kernel and round.")
