@@ -48,6 +48,14 @@ def ring_mesh(num_devices: int | None = None, devices=None) -> jax.sharding.Mesh
   return jax.make_mesh((num_devices,), (RING_AXIS,), devices=devices[:num_devices])
 
 
+def abstract_ring_mesh(num_devices: int) -> jax.sharding.AbstractMesh:
+  """A 1-D mesh of `num_devices` along `RING_AXIS` with no devices behind it: enough to
+  trace or validate a ring (`abstract_operands`) on a job of any size, one device too."""
+  if num_devices < 1:
+    raise ValueError(f"num_devices={num_devices} must be at least 1")
+  return jax.sharding.AbstractMesh((num_devices,), (RING_AXIS,))
+
+
 def place_operands(lhs, rhs, mesh: jax.sharding.Mesh, layout: Layout = ALL_GATHER):
   """Puts global lhs and rhs in `layout` (by default the all-gather's: lhs
   (D * M_shard, K), rhs (K, D * N_shard)).
@@ -62,7 +70,8 @@ def place_operands(lhs, rhs, mesh: jax.sharding.Mesh, layout: Layout = ALL_GATHE
   return place(lhs, layout.lhs), place(rhs, layout.rhs)
 
 
-def abstract_operands(lhs, rhs, mesh: jax.sharding.Mesh, layout: Layout = ALL_GATHER):
+def abstract_operands(lhs, rhs, mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
+                      layout: Layout = ALL_GATHER):
   """Shape-and-dtype stand-ins of global lhs and rhs in `layout` (to trace or lower)."""
   return (jax.ShapeDtypeStruct(lhs.shape, lhs.dtype, sharding=NamedSharding(mesh, layout.lhs)),
           jax.ShapeDtypeStruct(rhs.shape, rhs.dtype, sharding=NamedSharding(mesh, layout.rhs)))
