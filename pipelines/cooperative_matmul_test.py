@@ -118,25 +118,28 @@ class CooperativeMatmulTest(base.MatmulTestBase):
   def test_split_k_adds_the_bias_in_float32(self):
     self.check_float32_bias(config_fields=dict(k_splits=2))
 
-  def test_real_sizes_and_epilogues(self):
+  # The heuristic's configs; 512x16384x1024 and 250x8192x4000 take its split K
+  # (8 and 4 ranges); 1000x4096x3000 and 333x4096x3000 its one-segment RHS tiles in
+  # clusters (333 rows: 3 M tiles, an odd count; and 2 K ranges); the last three its
+  # 64-column tiles for narrow outputs (4 and 16 ranges). One case per problem, so a
+  # parallel GPU run (`tools/gpu_tests.py`) spreads their compiles over its processes.
+  @parameterized.parameters(
+      ((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu"),
+      ((8192, 1024, 2048), "silu"), ((1024, 2048, 1024), "relu"),
+      ((512, 16384, 1024), "gelu"), ((250, 8192, 4000), "silu"),
+      ((1000, 4096, 3000), "gelu"), ((333, 4096, 3000), "relu"),
+      ((4096, 4096, 64), "gelu"), ((1000, 4096, 48), "silu"),
+      ((7, 4096, 16), "relu"))
+  def test_real_sizes_and_epilogues(self, shape, activation):
     if self.backend != testing.GPU:
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
-    # The heuristic's configs; 512x16384x1024 and 250x8192x4000 take its
-    # split K (8 and 4 ranges); the last two its one-segment RHS tiles in
-    # clusters (333 rows: 3 M tiles, an odd count; and 2 K ranges); the
-    # last three its 64-column tiles for narrow outputs (4 and 16 ranges).
-    for (m, k, n), activation in (((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu"),
-                                  ((8192, 1024, 2048), "silu"), ((1024, 2048, 1024), "relu"),
-                                  ((512, 16384, 1024), "gelu"), ((250, 8192, 4000), "silu"),
-                                  ((1000, 4096, 3000), "gelu"), ((333, 4096, 3000), "relu"),
-                                  ((4096, 4096, 64), "gelu"), ((1000, 4096, 48), "silu"),
-                                  ((7, 4096, 16), "relu")):
-      lhs, rhs = base.operands(8, m, k, n, jnp.bfloat16)
-      bias = testing.random_array(9, (n,), jnp.bfloat16)
-      out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation)
-      ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
-                                                               has_bias=True))
-      self.assert_close(out, ref, dtype=jnp.bfloat16)
+    m, k, n = shape
+    lhs, rhs = base.operands(8, m, k, n, jnp.bfloat16)
+    bias = testing.random_array(9, (n,), jnp.bfloat16)
+    out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation)
+    ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
+                                                             has_bias=True))
+    self.assert_close(out, ref, dtype=jnp.bfloat16)
 
 
 def matmul_plus_addend(lhs, rhs, addend, bias=None, *, config: TuningConfig, num_blocks: int,

@@ -79,18 +79,19 @@ class PingPongMatmulTest(base.MatmulTestBase):
         caught = "no threads observed phase" in str(e)
     self.assertTrue(caught, "a slot refilled before its release was not reported")
 
-  def test_real_sizes(self):
+  @parameterized.parameters(((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu"))
+  def test_real_sizes(self, shape, activation):
     if self.backend != testing.GPU:
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
     config = TuningConfig(tile_m=128, tile_n=128, max_concurrent_steps=6,
                           schedule=Schedule.PINGPONG)
-    for (m, k, n), activation in (((4096, 4096, 4096), "none"), ((2000, 1024, 3000), "gelu")):
-      lhs, rhs = base.operands(17, m, k, n, jnp.bfloat16)
-      bias = testing.random_array(18, (n,), jnp.bfloat16)
-      out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation, config=config)
-      ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
-                                                               has_bias=True))
-      self.assert_close(out, ref, dtype=jnp.bfloat16)
+    m, k, n = shape
+    lhs, rhs = base.operands(17, m, k, n, jnp.bfloat16)
+    bias = testing.random_array(18, (n,), jnp.bfloat16)
+    out = self.run_kernel(matmul, lhs, rhs, bias, activation=activation, config=config)
+    ref = matmul_reference(lhs, rhs, bias, epilogue=Epilogue(activation=activation,
+                                                             has_bias=True))
+    self.assert_close(out, ref, dtype=jnp.bfloat16)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # bare GPU box with jax[cuda] installed): the GPU-tagged tests with pytest on
 # the same test files Bazel runs, the autotuner and the benchmarks.
 #
-#   tools/gpu_check.sh tests            # every test file, MGPU_TEST_BACKEND=gpu
+#   tools/gpu_check.sh tests [FILES]    # every test file, MGPU_TEST_BACKEND=gpu, in parallel
 #   tools/gpu_check.sh tune SHAPES...   # autotune_matmul, updates the tuning cache
 #   tools/gpu_check.sh bench [FLAGS]    # bench_matmul
 #   tools/gpu_check.sh main [FLAGS]     # examples/allgather_matmul, the main job
@@ -23,16 +23,10 @@ step=$1
 shift
 case "$step" in
   tests)
-    # The examples' test files each run in their own process: the examples
-    # define absl flags of the same names, which one process cannot hold twice.
-    status=0
-    $PY -m pytest -q -rs -o python_files='*_test.py' -p no:cacheprovider \
-      core pipelines collectives tools "$@" 2>&1 | tee "$OUT/gpu_tests.log" || status=1
-    for test_file in examples/*_test.py; do
-      $PY -m pytest -q -rs -p no:cacheprovider "$test_file" "$@" 2>&1 \
-        | tee -a "$OUT/gpu_tests.log" || status=1
-    done
-    exit $status
+    # Every test file in parallel pytest processes, each file (or shard of one) in its
+    # own process (the examples define absl flags of the same names, which one process
+    # cannot hold twice). Fails on any failed case and on a job that hangs.
+    $PY tools/gpu_tests.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   tune)
     $PY tools/autotune_matmul.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/autotune.log"
