@@ -89,7 +89,7 @@ def mgpu_py_test(name, src, deps = [], size = "small", env = {}, tags = [], data
         **kwargs
     )
 
-def mgpu_kernel_test(name, src, deps = [], size = "medium", env = {}, multi_gpu = False, data = [], shard_count = None, interpret_flaky = False, **kwargs):
+def mgpu_kernel_test(name, src, deps = [], size = "medium", env = {}, multi_gpu = False, data = [], shard_count = None, **kwargs):
     """One kernel test file, two tests: `name` (CPU, interpret mode) and `name_gpu` (GPU).
 
     Args:
@@ -103,9 +103,6 @@ def mgpu_kernel_test(name, src, deps = [], size = "medium", env = {}, multi_gpu 
         (XLA_FLAGS=--xla_force_host_platform_device_count=8) unless `env` sets XLA_FLAGS.
       data: data files of both tests.
       shard_count: shards of both tests.
-      interpret_flaky: Bazel retries the CPU test up to 3 times (`flaky`); for
-        simulated multi-device kernels that the simulator stalls on rarely. The
-        GPU test is not retried.
       **kwargs: passed to both py_test rules (e.g. `timeout`).
     """
     extra_tags = kwargs.pop("tags", [])
@@ -121,7 +118,6 @@ def mgpu_kernel_test(name, src, deps = [], size = "medium", env = {}, multi_gpu 
         tags = extra_tags,
         data = data,
         shard_count = shard_count,
-        flaky = interpret_flaky,
         **kwargs
     )
     mgpu_py_test(

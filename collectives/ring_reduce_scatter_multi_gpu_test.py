@@ -29,12 +29,6 @@ simulator.reserve_intra_op_threads()
 
 SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, epi_tile_m=64,
                      epi_tile_n=32, grid_tile_width=2, wg_dimension=MatmulDimension.M)
-# Bounds a wait on a signal that never comes (a broken kernel) in CI. A
-# 4-device ring takes 12 s here alone and 25 s on a loaded 2-core machine;
-# one run in about ten timed out at 60 s with 2 of a slot's 8 signals
-# outstanding and was not reproduced in later runs, loaded or not, so the
-# bound leaves room (a real missing signal still times out).
-WAIT_TIMEOUT_S = 180.0
 
 
 def ring_problem(num_devices, block_m, k_shard, n, dtype, config, seed=0, out_dtype=None):
@@ -52,7 +46,6 @@ class MosaicRingReduceScatterTest(collective_test_base.SimulatedRingTestCase,
   """The shared cases on the Mosaic reduce-scatter ring: simulated devices on CPU, every
   GPU of the host on GPUs. Two devices: the 4-device ring runs in the tests below."""
 
-  wait_timeout_s = WAIT_TIMEOUT_S
   layout = sharding.REDUCE_SCATTER
   # One 128-row block of SMALL's CTA tiles and two 64-wide N tiles per device.
   shard = (128, 128, 128)
@@ -68,7 +61,6 @@ class MosaicRingReduceScatterTest(collective_test_base.SimulatedRingTestCase,
 
 class RingReduceScatterKernelTest(collective_test_base.SimulatedRingTestCase):
 
-  wait_timeout_s = WAIT_TIMEOUT_S
 
   @parameterized.product(num_devices=[2, 4], wg_dimension=list(MatmulDimension))
   def test_simulated_ring_matches_reference(self, num_devices, wg_dimension):

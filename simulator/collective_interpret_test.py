@@ -4,6 +4,7 @@ Small hand-written kernels under `jax.shard_map` on simulated CPU devices
 (Bazel sets XLA_FLAGS=--xla_force_host_platform_device_count=8).
 """
 
+import threading
 from unittest import mock
 
 import jax
@@ -11,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from jax import lax
+from jax._src.pallas.mosaic.interpret import thread_map
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import NamedSharding
@@ -361,6 +364,36 @@ class CollectiveInterpretTest(parameterized.TestCase):
       (out,) = _run(_per_slot_waits(2, num_blocks=8), mesh, x, num_outputs=1)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
     self.assertEqual(compiled.call_count, 48 // thread_pool.THREADS_PER_CPU_DEVICE)
+
+  def test_each_simulated_thread_has_run_to_its_end_when_it_returns(self):
+    """`thread_map` takes a thread as finished when its program's call returns. XLA's
+    CPU client ran many of these 48 threads' programs asynchronously (39 of 48
+    returned before their kernel ended), so a device went on to the end of the grid
+    step while its threads still ran: the 4-device rings then timed out on a
+    semaphore short of its count, or left a barrier allocated, at random."""
+    lock = threading.Lock()
+    counts = {"finished": 0, "returned": 0, "early": 0}
+    finished = gpu_callbacks.kernel_thread_finished
+    run_thread = thread_map._run_jaxpr  # The simulator's, installed by setUp.
+
+    def counting_finished(*args, **kwargs):
+      with lock:
+        counts["finished"] += 1
+      return finished(*args, **kwargs)
+
+    def checked_run_thread(*args):
+      run_thread(*args)
+      with lock:  # Every thread that returned must have ended, this one too.
+        counts["returned"] += 1
+        counts["early"] += counts["finished"] < counts["returned"]
+
+    mesh = _mesh(2)
+    x = _sharded_input(9, mesh)
+    with mock.patch.object(gpu_callbacks, "kernel_thread_finished", counting_finished), \
+        mock.patch.object(thread_map, "_run_jaxpr", checked_run_thread):
+      (out,) = _run(_per_slot_waits(2, num_blocks=8), mesh, x, num_outputs=1)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    self.assertEqual(counts, {"finished": 48, "returned": 48, "early": 0})
 
   def test_too_small_xla_pool_is_refused(self):
     mesh = _mesh(4)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import callback
 from jax._src import config as jax_config
+from jax._src import core as jax_core
 from jax._src.pallas.mosaic.interpret import thread_map
 from jax._src.pallas.mosaic.interpret import utils as interpret_utils
 from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core
@@ -185,15 +186,29 @@ class _CompiledThreadPrograms:
     self._programs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
   def get(self, jaxpr, device, consts, args):
-    avals = tuple((np.shape(x), np.result_type(x)) for x in jax.tree.leaves((consts, args)))
+    avals = tuple((np.shape(x), np.asarray(x).dtype) for x in jax.tree.leaves((consts, args)))
     with self._lock:
       slot = self._programs.setdefault(jaxpr, {}).setdefault(
           (device.id, avals), [threading.Lock(), None])
     with slot[0]:
       if slot[1] is None:  # Also after a failed compilation, which raised in its thread.
-        slot[1] = jax.jit(thread_map._run, static_argnums=(0,)).trace(  # noqa: SLF001
+        slot[1] = jax.jit(_run_thread, static_argnums=(0,)).trace(
             jaxpr, consts, *args).lower().compile()
       return slot[1]
+
+
+def _run_thread(jaxpr, consts, *args):
+  """A simulated thread's program, returning its outputs (its final ordering token).
+
+  jax's own `thread_map._run` returns nothing, so the caller has nothing to wait for:
+  XLA's CPU client may run the program asynchronously (it did for about a third of a
+  4-device ring's threads) and the call returns before the thread has run. The
+  interpreter then took the thread as finished: its device went on to the end of the
+  grid step, reset the per-step state, read the outputs and cleaned up the shared
+  memory while the thread still ran (a semaphore short of its count, or a barrier left
+  allocated, at random). Returning the token lets `_run_jaxpr_compiled_once` wait.
+  """
+  return jax_core.eval_jaxpr(jaxpr, consts, *args)
 
 
 _compiled_thread_programs = _CompiledThreadPrograms()
@@ -203,7 +218,9 @@ def _run_jaxpr_compiled_once(jaxpr, consts, *args):
   """`thread_map._run_jaxpr`: runs a simulated thread on a CPU device with room
   for it, with the program compiled once per device (`_CompiledThreadPrograms`)."""
   with thread_pool.on_cpu_device_with_room() as device:
-    _compiled_thread_programs.get(jaxpr, device, consts, args)(consts, *args)
+    outputs = _compiled_thread_programs.get(jaxpr, device, consts, args)(consts, *args)
+    # Until the thread has run to its end (`_run_thread`); also raises its error here.
+    jax.block_until_ready(outputs)
 
 
 def _wrap_device_barrier(original):
