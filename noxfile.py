@@ -3,7 +3,7 @@
     nox -s tests        ./bazelw test //...  (CPU tests, lint, consumer workspace)
     nox -s lint         ruff check
     nox -s examples     ./bazelw run //examples:allgather_matmul (the main job)
-    nox -s gpu_tests    pytest on a GPU machine, with requirements/cuda12.lock.txt
+    nox -s gpu_tests    tools/gpu_tests.py on a GPU machine, with requirements/cuda12.lock.txt
 
 Bazel manages its own Python environment (bazel/python.bzl); only gpu_tests and lint make
 virtualenvs of their own.
@@ -17,7 +17,6 @@ import nox
 ROOT = Path(__file__).parent
 CPU_LOCK = ROOT / "requirements" / "cpu.lock.txt"
 CUDA12_LOCK = ROOT / "requirements" / "cuda12.lock.txt"
-PACKAGES = ["core", "pipelines", "collectives", "tools", "examples"]
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -55,17 +54,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python="3.12")
 def gpu_tests(session: nox.Session) -> None:
-    """All tests on a CUDA 12 GPU machine, without Bazel: pytest, MGPU_TEST_BACKEND=gpu."""
+    """All tests on a CUDA 12 GPU machine, without Bazel: tools/gpu_tests.py, in parallel."""
     session.install("-r", str(CUDA12_LOCK))
     session.chdir(ROOT)
-    packages = [p for p in PACKAGES if (ROOT / p).is_dir()]
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        *packages,
-        "-m",
-        "",
-        *session.posargs,
-        env={"MGPU_TEST_BACKEND": "gpu"},
-    )
+    session.run("python", "tools/gpu_tests.py", *session.posargs)

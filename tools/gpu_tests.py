@@ -4,9 +4,9 @@ A GPU test's time is mostly compiling its kernels on the CPU, so one process at 
 leaves all but one core idle. This runner starts up to `--jobs` pytest processes at once
 (MGPU_TEST_BACKEND=gpu, every process on the same GPUs, none preallocating GPU memory),
 each on one test file or on a shard of its cases (`conftest.py`'s `--shard=I/N`). How many
-shards a file gets, and which jobs start first, come from the per-file times of a recorded
-run (`TIMES_FILE`, rewritten with `--record_times`): longest first, so the slowest file does
-not start last.
+shards a file gets, and which jobs start first, come from the per-file times of its cases in
+a recorded run (`TIMES_FILE`, rewritten with `--record_times`): longest first, so the
+slowest file does not start last.
 
 Every case that ran before still runs; a case that needs more GPUs than the host has skips
 and says why. The run fails if any case fails or errors, or if a job outlives
@@ -37,12 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # The packages whose test files run on a GPU host (the same set Bazel's GPU twins and
 # the CPU-only tests come from; simulator/ and bazel/ test the CPU environment).
 PACKAGES = ("core", "pipelines", "collectives", "tools", "examples")
-# Per-file wall times (seconds, one process per file) of a recorded run on one H200.
+# Per-file sums of the case times (seconds) of a recorded run on one H200 with 16 jobs at
+# once: what the file's cases take, however many shards ran them.
 TIMES_FILE = ROOT / "tools" / "gpu_test_times.json"
-# A file is split into shards of about this many seconds of its recorded time (under a
-# full machine); the imports and collection each process repeats (about 10 s there) make
-# much smaller shards waste time.
-SHARD_TARGET_S = 80.0
+# A file is split into shards of about this many seconds of its recorded case time; the
+# imports and collection each process repeats (about 10-20 s on a full machine) make much
+# smaller shards waste time.
+SHARD_TARGET_S = 70.0
 # What a file missing from TIMES_FILE is assumed to take.
 UNRECORDED_FILE_S = 30.0
 # pytest's exit codes that are not failures: all passed (or skipped); a shard that
@@ -93,7 +94,7 @@ def test_files(paths: list[str]) -> list[str]:
 def recorded_times() -> dict[str, float]:
   if not TIMES_FILE.exists():
     return {}
-  return json.loads(TIMES_FILE.read_text())["file_wall_s"]
+  return json.loads(TIMES_FILE.read_text())["file_case_s"]
 
 
 def plan(files: list[str], times: dict[str, float]) -> list[Job]:
@@ -172,11 +173,11 @@ def summary_table(results: list[JobResult], wall_s: float, jobs: int) -> str:
 
 
 def file_times(results: list[JobResult]) -> dict[str, float]:
-  """Each file's wall time: the sum of its shards' (each repeats the imports and collection)."""
-  by_file: dict[str, list[float]] = {}
+  """Each file's case time: the sum over its cases, whatever the shards (start-up excluded)."""
+  by_file: dict[str, float] = {}
   for r in results:
-    by_file.setdefault(r.job.path, []).append(r.wall_s)
-  return {path: round(sum(times), 1) for path, times in sorted(by_file.items())}
+    by_file[r.job.path] = by_file.get(r.job.path, 0.0) + sum(c["time_s"] for c in r.cases)
+  return {path: round(seconds, 1) for path, seconds in sorted(by_file.items())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({result.wall_s:.1f} s, {result.counts['tests']} cases)", flush=True)
   wall_s = time.monotonic() - start
   record = {"wall_s": round(wall_s, 1), "jobs_at_once": args.jobs,
-            "file_wall_s": file_times(results),
+            "file_case_s": file_times(results),
             "jobs": [{"name": r.job.name, "path": r.job.path, "shard": r.job.shard,
                       "shards": r.job.shards, "wall_s": round(r.wall_s, 1),
                       "returncode": r.returncode, "timed_out": r.timed_out, **r.counts,
@@ -225,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
   (out_dir.parent / "gpu_tests.json").write_text(json.dumps(record, indent=1))
   if args.record_times:
     measured = (f"{time.strftime('%Y-%m-%d')}, {args.jobs} jobs at once, "
-                "tools/gpu_check.sh tests (sum of each file's shards' wall times)")
-    TIMES_FILE.write_text(json.dumps({"measured": measured, "file_wall_s": record["file_wall_s"]},
+                "tools/gpu_check.sh tests (sum of each file's case times)")
+    TIMES_FILE.write_text(json.dumps({"measured": measured, "file_case_s": record["file_case_s"]},
                                      indent=1) + "\n")
   print(summary_table(results, wall_s, args.jobs))
   for r in results:
