@@ -25,19 +25,13 @@ import xml.etree.ElementTree as ET
 
 from absl.testing import absltest
 
+from bazel.workspace import workspace_root
+
 # `mgpu_kernel_test(... src = "x_test.py" ...)` in a BUILD file.
 _KERNEL_TEST = re.compile(r"mgpu_kernel_test\((?:[^()]|\([^()]*\))*?\bsrc\s*=\s*\"([^\"]+)\"",
                           re.S)
 # The package of the macro's own environment tests (see the module docstring).
 _OWN_PACKAGE = "bazel"
-
-
-def workspace_root() -> str:
-    marker = os.path.join(os.environ["TEST_SRCDIR"], os.environ["TEST_WORKSPACE"], "pyproject.toml")
-    real = os.path.realpath(marker)
-    if real == os.path.abspath(marker):
-        raise RuntimeError(f"{marker} is not a symlink into the workspace; run with tag 'local'")
-    return os.path.dirname(real)
 
 
 def kernel_test_files(root: str) -> list[str]:

@@ -5,19 +5,12 @@ runfiles symlink of pyproject.toml back to the real workspace and lints every Py
 there, including packages whose BUILD files list no lint target.
 """
 
-import os
 import subprocess
 import sys
 
 from absl.testing import absltest
 
-
-def workspace_root() -> str:
-    marker = os.path.join(os.environ["TEST_SRCDIR"], os.environ["TEST_WORKSPACE"], "pyproject.toml")
-    real = os.path.realpath(marker)
-    if real == os.path.abspath(marker):
-        raise RuntimeError(f"{marker} is not a symlink into the workspace; run with tag 'local'")
-    return os.path.dirname(real)
+from bazel.workspace import workspace_root
 
 
 class LintTest(absltest.TestCase):
