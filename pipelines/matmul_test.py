@@ -2,13 +2,14 @@
 the heuristic itself, and bad input."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from core import interpret, testing
+from core import device, interpret, testing
 from pipelines import (
   Epilogue,
   MatmulDimension,
@@ -16,6 +17,7 @@ from pipelines import (
   Schedule,
   TuningConfig,
   default_config,
+  heuristic,
   kernel_call,
   matmul,
   matmul_reference,
@@ -65,6 +67,18 @@ class MatmulApiTest(testing.KernelTestCase):
                         in_specs=(spec("x", None), spec()), out_specs=spec("x", None))
     out = self.run_kernel(jax.jit(run), lhs, rhs)
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+class ConfigChoiceTest(parameterized.TestCase):
+  """The heuristic's configs and the operand copies they imply, for the 132 SMs of an
+  H100 SXM or H200 that its constants were fitted on, on any host: on a GPU with another
+  SM count (an H100 PCIe has 114) the heuristic rightly picks other tiles, which these
+  cases would report as failures. Lowerings for the GPU run on CPU only."""
+
+  def setUp(self):
+    super().setUp()
+    for module in (heuristic, kernel_call):
+      self.enter_context(mock.patch.object(module, "device_facts",
+                                           return_value=device.HOPPER_DEFAULTS))
 
   def test_operands_are_copied_only_where_it_pays(self):
     """`tma_sizes` pads an operand whose minor dimension is off 128 bytes
