@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
 from collectives import ring_config, ring_matmul_sm90, ring_reduce_scatter_sm90
+from core import testing
 from pipelines import Schedule
 from pipelines.operands import MatmulProblem
 
@@ -15,6 +16,12 @@ def shard_problem(m_shard, k, n_shard, dtype=jnp.float16):
 
 
 class DefaultRingConfigTest(parameterized.TestCase):
+  """Configs chosen for the 132-SM GPUs their rules were fitted on, on any host."""
+
+  def setUp(self):
+    super().setUp()
+    self.enter_context(testing.facts_of_the_fitted_gpu())
+
 
   @parameterized.parameters(
       # Where the plain matmul's heuristic splits K, takes ping-pong, or has a

@@ -131,6 +131,12 @@ def require_several_devices(test: absltest.TestCase) -> None:
 
 class LoweringAndValidationTest(parameterized.TestCase):
 
+  def setUp(self):
+    super().setUp()
+    # The default configs these cases check are those for 132 SMs, on any host.
+    self.enter_context(testing.facts_of_the_fitted_gpu())
+
+
   def assert_gathers_inside_one_kernel(self, lowered_text):
     """One Mosaic GPU kernel and no XLA collective: the kernel moves the shards."""
     self.assertLen(re.findall(r"stablehlo\.custom_call @mosaic_gpu", lowered_text), 1)

@@ -136,6 +136,12 @@ class LoweringAndValidationTest(parameterized.TestCase):
 
 class ConfigTest(parameterized.TestCase):
 
+  def setUp(self):
+    super().setUp()
+    # The default configs these cases check are those for 132 SMs, on any host.
+    self.enter_context(testing.facts_of_the_fitted_gpu())
+
+
   @parameterized.parameters(
       ((1024, 2048, 4096), jnp.bfloat16),
       ((512, 8192, 1024), jnp.float16),

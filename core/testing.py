@@ -23,8 +23,10 @@ kernel called on a GPU outside `run_kernel` gets whatever memory was there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,20 @@ def output_bytes(fn, *args, **kwargs) -> int:
 
   outs = jax.eval_shape(with_arrays, *(x for x, array in zip(args, is_array, strict=True) if array))
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(outs))
+
+
+@contextlib.contextmanager
+def facts_of_the_fitted_gpu():
+  """Inside the block every GPU has the facts of an H100 SXM or H200 (`HOPPER_DEFAULTS`).
+
+  The config heuristics' constants (SM waves, persistent grids) were fitted on those
+  132 SMs, and the tests of their choices say what they choose there. On a host whose
+  GPU has another SM count (an H100 PCIe has 114) they rightly choose otherwise, so a
+  test of the choices enters this and runs the same on any host. Not for tests that run
+  kernels: those must see the real device.
+  """
+  with mock.patch.object(device, "_gpu_facts", return_value=device.HOPPER_DEFAULTS):
+    yield
 
 
 class KernelTestCase(parameterized.TestCase):

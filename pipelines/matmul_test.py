@@ -2,14 +2,13 @@
 the heuristic itself, and bad input."""
 
 import functools
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from core import device, interpret, testing
+from core import interpret, testing
 from pipelines import (
   Epilogue,
   MatmulDimension,
@@ -17,7 +16,6 @@ from pipelines import (
   Schedule,
   TuningConfig,
   default_config,
-  heuristic,
   kernel_call,
   matmul,
   matmul_reference,
@@ -76,9 +74,7 @@ class ConfigChoiceTest(parameterized.TestCase):
 
   def setUp(self):
     super().setUp()
-    for module in (heuristic, kernel_call):
-      self.enter_context(mock.patch.object(module, "device_facts",
-                                           return_value=device.HOPPER_DEFAULTS))
+    self.enter_context(testing.facts_of_the_fitted_gpu())
 
   def test_operands_are_copied_only_where_it_pays(self):
     """`tma_sizes` pads an operand whose minor dimension is off 128 bytes
