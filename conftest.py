@@ -47,7 +47,5 @@ def pytest_collection_modifyitems(config, items):
     if not text:
         return
     index, count = parse_shard(text)
-    kept = items[index::count]
-    kept_ids = {id(item) for item in kept}
-    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept_ids])
-    items[:] = kept
+    config.hook.pytest_deselected(items=[x for i, x in enumerate(items) if i % count != index])
+    items[:] = items[index::count]
