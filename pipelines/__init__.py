@@ -4,7 +4,8 @@ kernel (`matmul`), their configs, references and autotuning.
 Where things live: `matmul.py` (the public entry), `heuristic.py` (configs
 without tuning), `kernel_call.py` (the one wrapper: validation, padding, the
 kernel call), `*_sm90.py` (the kernel bodies), `config.py`, `operands.py`,
-`epilogue.py`, `reference.py`, `autotune.py` and `tuning_cache.py`.
+`epilogue.py`, `reference.py`, `autotune.py` and `tuning_cache.py`;
+`gated_linear_unit.py` (the fused gated unit of transformer MLPs).
 
 The hook contract for kernels built on the cooperative body (the ring
 all-gather matmul in `collectives`): `emit_cooperative_matmul` with a
@@ -16,6 +17,7 @@ axis `SM_AXIS`, thread axis `WG_AXIS`), its config checked by
 from pipelines.config import MatmulDimension, PipelinedConfig, Schedule, TuningConfig
 from pipelines.cooperative_matmul_sm90 import PipelineCallback, emit_cooperative_matmul
 from pipelines.epilogue import Epilogue
+from pipelines.gated_linear_unit import gated_linear_unit
 from pipelines.heuristic import default_config
 from pipelines.kernel_call import (
     check_ws_config,
@@ -32,6 +34,7 @@ from pipelines.reference import matmul_reference
 __all__ = [
     "SM_AXIS", "WG_AXIS", "Epilogue", "MatmulDimension", "PipelineCallback", "PipelinedConfig",
     "Schedule", "TuningConfig", "check_ws_config", "default_config", "emit_cooperative_matmul",
+    "gated_linear_unit",
     "matmul", "matmul_reference", "pallas_call_matmul", "persistent_kernel", "pipelined_matmul",
     "ws_matmul", "ws_smem_budget",
 ]

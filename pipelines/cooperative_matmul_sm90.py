@@ -56,20 +56,24 @@ from pipelines.persistent_sm90 import (
 PipelineCallback = Callable[[jax.Array, jax.Array, jax.Array, object], None]
 
 
-def pipeline_buffer_names(config: TuningConfig) -> tuple[str, ...]:
-  """The operand pipeline's SMEM buffers, in the order of its in_specs."""
+def pipeline_buffer_names(config: TuningConfig, *, gated: bool = False) -> tuple[str, ...]:
+  """The operand pipeline's SMEM buffers, in the order of its in_specs (with
+  `gated`, the gate's RHS tiles, then the up projection's)."""
+  rhs_names = ("gate_smem", "up_smem") if gated else ("rhs_smem",)
   if config.rhs_tiles == 1:
-    return ("lhs_smem", "rhs_smem")
-  return ("lhs_smem", *(f"rhs_smem[{j}]" for j in range(config.rhs_tiles)))
+    return ("lhs_smem", *rhs_names)
+  return ("lhs_smem", *(f"{name}[{j}]" for name in rhs_names for j in range(config.rhs_tiles)))
 
 
 def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: int,
-                      layout: OperandLayout, step, compute_context, swizzle: int | None):
+                      layout: OperandLayout, step, compute_context, swizzle: int | None,
+                      num_rhs: int = 1):
   """The memory warpgroup's pipeline of LHS and RHS tiles, as the operands are stored:
   (cta_m, tile_k) or (tile_k, cta_m), and `config.rhs_tiles` RHS tiles of
-  (tile_k, rhs_tile_width) or (rhs_tile_width, tile_k), all with `swizzle`
-  (`config.operand_swizzle`). With `config.cluster_m` = 2 the RHS tiles are
-  multicast to both blocks of the cluster."""
+  (tile_k, rhs_tile_width) or (rhs_tile_width, tile_k) for each of `num_rhs`
+  RHS operands (2 for a gated unit's gate and up projection), all with
+  `swizzle` (`config.operand_swizzle`). With `config.cluster_m` = 2 the RHS
+  tiles are multicast to both blocks of the cluster."""
   def spec(block_shape, index_map, collective_axes=None):
     return plgpu.BlockSpec(block_shape, index_map,
                            transforms=tile_transforms(block_shape[-1], dtype, swizzle=swizzle),
@@ -90,7 +94,7 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: 
       step,
       grid=(k_steps,),
       memory_registers=MEMORY_WG_REGISTERS,
-      in_specs=[lhs_spec, *rhs_specs],
+      in_specs=[lhs_spec, *rhs_specs * num_rhs],
       wg_axis=WG_AXIS,
       num_compute_wgs=NUM_COMPUTE_WGS,
       max_concurrent_steps=config.max_concurrent_steps,
@@ -100,7 +104,8 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: 
 
 def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool,
                         delay_release: int = 0, layout: OperandLayout = NN,
-                        swizzle: int | None = None, out_swizzle: int | None = None) -> dict:
+                        swizzle: int | None = None, out_swizzle: int | None = None,
+                        gated: bool = False) -> dict:
   """The SMEM `emit_cooperative_matmul` allocates for K = `k`, by name.
 
   The kernel allocates exactly this (`pl.run_scoped(**...)`), and
@@ -109,7 +114,10 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
   (its slots and barriers, from `get_allocations`, which needs only shapes).
   `swizzle` and `out_swizzle` (bytes) lay out the operand and output tiles;
   by default the widest their rows allow (sizes do not depend on them).
+  `gated`: the pipeline carries a second RHS (`emit_cooperative_matmul`'s
+  `up_gmem`).
   """
+  num_rhs = 2 if gated else 1
   k_steps = pl.cdiv(k // config.k_splits, config.tile_k)
 
   def ignore(*_, **__):
@@ -117,10 +125,10 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
 
   shapes = (jax.ShapeDtypeStruct(layout.lhs_shape(config.cta_tile_m, k), dtype),
             *[jax.ShapeDtypeStruct(layout.rhs_shape(k, config.cta_tile_n), dtype)]
-            * config.rhs_tiles)
+            * (config.rhs_tiles * num_rhs))
   scratch = dict(
       pipeline_allocs=_operand_pipeline(config, dtype, k_steps, delay_release, layout, ignore,
-                                        ignore, swizzle).get_allocations(*shapes),
+                                        ignore, swizzle, num_rhs).get_allocations(*shapes),
       **epilogue_scratch(config, config.store_dtype(out_dtype),
                          has_bias=has_bias and config.fuses_epilogue, swizzle=out_swizzle),
   )
@@ -137,8 +145,13 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             config: TuningConfig, epilogue: Epilogue = Epilogue(),
                             pipeline_callback: PipelineCallback | None = None,
                             delay_release: int = 0, layout: OperandLayout = NN,
-                            addend_gmem=None) -> None:
+                            addend_gmem=None, pre_activation_gmem=None, up_gmem=None,
+                            up_column_offset: int = 0, up_product_gmem=None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
+
+  With `up_gmem`, the gated unit instead: `out_gmem = epilogue(lhs_gmem @
+  rhs_gmem + bias_gmem) * (lhs_gmem @ up_gmem)`, each LHS tile loaded once
+  for both products, each warpgroup holding an accumulator for each.
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
   (grid axis `SM_AXIS`, three threads on `WG_AXIS`, clusters of
@@ -175,15 +188,31 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       loads it per epilogue sub-tile, without SMEM). M and N must then be
       multiples of the CTA tile, since those loads are not masked. The
       caller makes sure it is written before the epilogue reads it.
+    pre_activation_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also
+      receives the sum before the activation (for a backward pass).
+    up_gmem: the up projection's RHS, stored as `rhs_gmem` is, or None.
+      Its columns (rows, with `layout.transpose_rhs`) start at
+      `up_column_offset`, so a fused (K, 2N) weight can be passed as both
+      `rhs_gmem` and `up_gmem` with an offset of N: the gate's last partial
+      tile then reads into the up columns, which land only in output columns
+      past N, which TMA does not store.
+    up_product_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also receives
+      `lhs_gmem @ up_gmem` (for a backward pass).
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
                      f"{config.schedule!r}")
   k_splits = config.k_splits
+  gated = up_gmem is not None
+  if gated and (pipeline_callback is not None or addend_gmem is not None):
+    raise ValueError("a gated unit (up_gmem) takes no pipeline_callback or addend_gmem")
+  if (up_product_gmem is not None or up_column_offset) and not gated:
+    raise ValueError("up_product_gmem and up_column_offset need up_gmem")
   if k_splits > 1 and (bias_gmem is not None or epilogue != Epilogue()
-                       or pipeline_callback is not None or addend_gmem is not None):
+                       or pipeline_callback is not None or addend_gmem is not None
+                       or pre_activation_gmem is not None or gated):
     raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation, "
-                     "addend and pipeline_callback belong to the caller")
+                     "addend, pre-activation and pipeline_callback belong to the caller")
   k, m = lhs_gmem.shape if layout.transpose_lhs else lhs_gmem.shape[::-1]
   n = rhs_gmem.shape[0] if layout.transpose_rhs else rhs_gmem.shape[1]
   if addend_gmem is not None and (addend_gmem.shape != (m, n) or m % config.cta_tile_m
@@ -198,6 +227,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   m_tiles = pl.cdiv(m, cta_m)
   # A last partial K step reads past the arrays' end: TMA fills it with zeros.
   k_steps = pl.cdiv(split_k, config.tile_k)
+  num_rhs = 2 if gated else 1
   swizzle = operand_swizzle(config, lhs_gmem, rhs_gmem, transpose_lhs=layout.transpose_lhs,
                             transpose_rhs=layout.transpose_rhs)
   # One allocation serves every output tile, so no scoped allocation (a
@@ -205,7 +235,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   scratch = cooperative_scratch(config, dtype, out_gmem.dtype, k=k,
                                 has_bias=bias_gmem is not None, delay_release=delay_release,
                                 layout=layout, swizzle=swizzle,
-                                out_swizzle=output_swizzle(config, out_gmem))
+                                out_swizzle=output_swizzle(config, out_gmem), gated=gated)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
   def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None):
@@ -225,8 +255,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
         wg_m_slice, wg_n_slice = slice(None), pl.ds(wg * tile_n, tile_n)
       split_out = out_gmem.at[split] if k_splits > 1 else out_gmem
       wg_out = split_out.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
-      wg_addend = (None if addend_gmem is None
-                   else addend_gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice])
+      wg_addend, wg_pre_activation, wg_up_product = (
+          None if gmem is None else gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
+          for gmem in (addend_gmem, pre_activation_gmem, up_product_gmem))
 
       def mma_step(indices, lhs_smem, *rhs_smems_and_accs):
         *rhs_smems, acc_refs = rhs_smems_and_accs
@@ -237,17 +268,23 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
           lhs_operand = lhs_smem.at[wg_m_slice]
         rhs_operands = [rhs.T if layout.transpose_rhs else rhs for rhs in rhs_smems]
         per_wg = config.rhs_tiles_per_wg
-        if len(rhs_operands) == per_wg:
-          for acc_ref, rhs_operand in zip(acc_refs, rhs_operands, strict=True):
-            plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
+        # Each RHS operand (the gate's and the up projection's, where gated)
+        # has `config.rhs_tiles` tiles and `per_wg` accumulators per warpgroup.
+        rhs_of = [rhs_operands[i * config.rhs_tiles:][:config.rhs_tiles] for i in range(num_rhs)]
+        acc_of = [acc_refs[i * per_wg:][:per_wg] for i in range(num_rhs)]
+        if config.rhs_tiles == per_wg:
+          for accs, rhs_tiles in zip(acc_of, rhs_of, strict=True):
+            for acc_ref, rhs_operand in zip(accs, rhs_tiles, strict=True):
+              plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
         else:
           # Each warpgroup reads the RHS tiles of its own columns.
           for w in range(NUM_COMPUTE_WGS):
             @pl.when(wg == w)
             def _mma(w=w):
-              for acc_ref, rhs_operand in zip(acc_refs, rhs_operands[w * per_wg:][:per_wg],
-                                              strict=True):
-                plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
+              for accs, rhs_tiles in zip(acc_of, rhs_of, strict=True):
+                for acc_ref, rhs_operand in zip(accs, rhs_tiles[w * per_wg:][:per_wg],
+                                                strict=True):
+                  plgpu.wgmma(acc_ref, lhs_operand, rhs_operand)
         if pipeline_callback is not None:
           pipeline_callback(m_tile, n_tile, indices[0], lhs_smem)
         # The pipeline reuses a slot `delay_release` steps after this one, so
@@ -261,14 +298,16 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
           plgpu.copy_gmem_to_smem(bias_gmem.at[cta_n_slice].at[wg_n_slice],
                                   bias_smem.at[wg], bias_loaded.at[wg])
 
-        # One accumulator per RHS tile of the warpgroup's columns.
+        # One accumulator per RHS tile of the warpgroup's columns, per RHS.
         @functools.partial(pl.run_scoped, acc_refs=[
-            accumulator((tile_m, config.rhs_tile_width))] * config.rhs_tiles_per_wg)
+            accumulator((tile_m, config.rhs_tile_width))] * (config.rhs_tiles_per_wg * num_rhs))
         def _acc_scope(acc_refs):
           with jax.named_scope("k_loop"):
             run_pipeline(tuple(acc_refs))
             # Waits for every wgmma of the tile.
             acc_blocks = [acc_ref[...] for acc_ref in acc_refs]
+          acc_blocks, up_blocks = (acc_blocks[:config.rhs_tiles_per_wg],
+                                   acc_blocks[config.rhs_tiles_per_wg:] or None)
           if tile_drained is not None:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The callback's copies.
             plgpu.barrier_arrive(tile_drained)
@@ -278,7 +317,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
           def run_epilogue():
             with jax.named_scope("epilogue"):
               store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue,
-                             wg_addend)
+                             wg_addend, wg_pre_activation, up_blocks, wg_up_product)
           if stores is None:
             run_epilogue()
           else:
@@ -286,12 +325,17 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
 
       lhs_tiles = (lhs_gmem.at[k_slice, cta_m_slice] if layout.transpose_lhs
                    else lhs_gmem.at[cta_m_slice, k_slice])
-      rhs_tiles = (rhs_gmem.at[cta_n_slice, k_slice] if layout.transpose_rhs
-                   else rhs_gmem.at[k_slice, cta_n_slice])
+      def rhs_tiles_of(gmem, column_offset=0):
+        n_slice = pl.ds(column_offset + n_tile * cta_n, cta_n)
+        return gmem.at[n_slice, k_slice] if layout.transpose_rhs else gmem.at[k_slice, n_slice]
+
+      rhs_tiles = [rhs_tiles_of(rhs_gmem)] * config.rhs_tiles
+      if gated:
+        rhs_tiles += [rhs_tiles_of(up_gmem, up_column_offset)] * config.rhs_tiles
       # Each RHS spec picks its tiles of the CTA's columns.
       _operand_pipeline(config, dtype, k_steps, delay_release, layout, mma_step,
-                        compute_context, swizzle)(lhs_tiles, *[rhs_tiles] * config.rhs_tiles,
-                                                  allocations=pipeline_allocs)
+                        compute_context, swizzle, num_rhs)(lhs_tiles, *rhs_tiles,
+                                                           allocations=pipeline_allocs)
       if tile_drained is not None:
         @pl.when(wg == NUM_COMPUTE_WGS)  # The memory warpgroup.
         def _wait_drained():

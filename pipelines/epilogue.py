@@ -110,7 +110,8 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
 
 
 def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,
-                   wg_addend=None) -> None:
+                   wg_addend=None, wg_pre_activation=None, up_blocks=None,
+                   wg_up_product=None) -> None:
   """Applies `epilogue` to a compute warpgroup's accumulator and stores it with TMA.
 
   Runs in compute warpgroup `wg` of a matmul kernel, after its K loop.
@@ -131,12 +132,44 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
       straight into registers in the accumulator's layout, so it takes no
       SMEM; it must lie wholly in bounds (plain loads are not masked as TMA
       stores are), and the caller makes sure it is written before this runs.
+    wg_pre_activation: (tile_m, tile_n) GMEM ref of the output's dtype, or
+      None: receives the pre-activation (the sum before the activation), for
+      a backward pass that needs it. Each sub-tile's pre-activation goes
+      through the same staging slots just before its output, so it costs
+      one more TMA store per sub-tile and no SMEM.
+    up_blocks: for a gated unit, the up projection's accumulator, split as
+      `acc_blocks` is: the output is then `activation(acc + bias) * up`.
+      None otherwise.
+    wg_up_product: (tile_m, tile_n) GMEM ref of the output's dtype, or None:
+      receives the up projection (for a backward pass), as
+      `wg_pre_activation` receives the gate's pre-activation.
   """
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
   n_sub = config.tile_n // epi_n
   block_n = config.tile_n // len(acc_blocks)
   slots = config.epilogue_slots
-  num_stores = (config.tile_m // epi_m) * n_sub
+  stores_per_sub_tile = 1 + (wg_pre_activation is not None) + (wg_up_product is not None)
+  num_stores = (config.tile_m // epi_m) * n_sub * stores_per_sub_tile
+  store = 0
+
+  def stage_and_store(x, gmem_tile):
+    nonlocal store
+    slot = store % slots
+    # Before writing a slot, wait for the store that last read it. Within a
+    # tile that is the store `slots` back, so all but the last `slots - 1`
+    # stores must be done. A tile's first store meets the previous tile's
+    # stores instead: they used the slots in the same order only when each
+    # tile makes a multiple of `slots` stores; otherwise (say 3 sub-tiles
+    # in 2 slots) the previous tile's last store may still be reading this
+    # slot, so wait for all of them. They were issued before this tile's K
+    # loop, so that wait costs nothing.
+    in_flight = 0 if store == 0 and num_stores % slots else slots - 1
+    plgpu.wait_smem_to_gmem(in_flight, wait_read_only=True)
+    out_smem[wg, slot] = x.astype(out_smem.dtype)
+    plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
+    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], gmem_tile)
+    store += 1
+
   for i in range(config.tile_m // epi_m):
     for j in range(n_sub):
       block, col = divmod(j * epi_n, block_n)
@@ -152,21 +185,13 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
         bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)],
                           layout=plgpu.Layout.WGMMA.reduce(0))
         x = x + lax.broadcast_in_dim(bias, x.shape, (1,))
+      sub_tile = (pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n))
+      if wg_pre_activation is not None:
+        stage_and_store(x, wg_pre_activation.at[sub_tile])
       x = epilogue.apply(x)
-      store = i * n_sub + j
-      slot = store % slots
-      # Before writing a slot, wait for the store that last read it. Within a
-      # tile that is the store `slots` back, so all but the last `slots - 1`
-      # stores must be done. A tile's first store meets the previous tile's
-      # stores instead: they used the slots in the same order only when each
-      # tile makes a multiple of `slots` stores; otherwise (say 3 sub-tiles
-      # in 2 slots) the previous tile's last store may still be reading this
-      # slot, so wait for all of them. They were issued before this tile's K
-      # loop, so that wait costs nothing.
-      in_flight = 0 if store == 0 and num_stores % slots else slots - 1
-      plgpu.wait_smem_to_gmem(in_flight, wait_read_only=True)
-      out_smem[wg, slot] = x.astype(out_smem.dtype)
-      plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
-      plgpu.copy_smem_to_gmem(
-          out_smem.at[wg, slot],
-          wg_out.at[pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n)])
+      if up_blocks is not None:
+        up = up_blocks[block][i * epi_m:(i + 1) * epi_m, col:col + epi_n]
+        if wg_up_product is not None:
+          stage_and_store(up, wg_up_product.at[sub_tile])
+        x = x * up
+      stage_and_store(x, wg_out.at[sub_tile])

@@ -48,21 +48,24 @@ from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS, emit_pipelined_matmu
 
 
 def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
-                   has_bias: bool = False, delay_release: int = 0) -> SmemBudget:
-  """The SMEM the warp-specialized kernel of `config.schedule` allocates for `problem`."""
+                   has_bias: bool = False, delay_release: int = 0,
+                   gated: bool = False) -> SmemBudget:
+  """The SMEM the warp-specialized kernel of `config.schedule` allocates for `problem`
+  (with `gated`, the cooperative body's gated unit, `ws_gated_matmul`)."""
   if config.schedule == Schedule.PINGPONG:
     scratch = pingpong_scratch(config, problem.dtype, out_dtype, k=problem.k, has_bias=has_bias,
                                layout=problem.layout)
   else:
     scratch = cooperative_scratch(config, problem.dtype, out_dtype, k=problem.k,
                                   has_bias=has_bias, delay_release=delay_release,
-                                  layout=problem.layout)
-  return SmemBudget.of_scratch(scratch, labels={"pipeline_allocs": pipeline_buffer_names(config)})
+                                  layout=problem.layout, gated=gated)
+  return SmemBudget.of_scratch(
+      scratch, labels={"pipeline_allocs": pipeline_buffer_names(config, gated=gated)})
 
 
 def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                     has_bias: bool = False, delay_release: int = 0,
-                    kernel: str | None = None) -> None:
+                    kernel: str | None = None, gated: bool = False) -> None:
   """Raises `ValueError` unless the warp-specialized kernel can run `config` on `problem`.
 
   `problem.k` must be a multiple of `config.tile_k`: `ws_matmul` checks the K
@@ -71,7 +74,12 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   (`emit_cooperative_matmul`). `kernel` names a kernel that calls
   `emit_cooperative_matmul` in blocks without clusters (the rings), which
   cannot run `config.cluster_m` = 2; None for `ws_matmul`, which can.
+  `gated`: the config runs the gated unit (`ws_gated_matmul`), which needs
+  the cooperative schedule without a split of K.
   """
+  if gated and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1):
+    raise ValueError(f"{config!r}: the gated unit needs schedule=Schedule.COOPERATIVE and "
+                     "k_splits=1")
   if kernel is not None and config.cluster_m != 1:
     raise ValueError(f"cluster_m={config.cluster_m}: {kernel} runs blocks without clusters; "
                      "use cluster_m=1")
@@ -88,8 +96,8 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
     raise ValueError(f"delay_release={delay_release} must be in [0, max_concurrent_steps="
                      f"{config.max_concurrent_steps})")
   if problem.k:  # K = 0 runs no kernel (`empty_result`), so it allocates nothing.
-    ws_smem_budget(config, problem, out_dtype, has_bias=has_bias,
-                   delay_release=delay_release).check(what=repr(config))
+    ws_smem_budget(config, problem, out_dtype, has_bias=has_bias, delay_release=delay_release,
+                   gated=gated).check(what=repr(config))
 
 
 def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
@@ -156,7 +164,8 @@ def empty_result(problem: operands.MatmulProblem, out_dtype, operands_in: tuple,
 
 def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
               config: TuningConfig, epilogue: Epilogue = Epilogue(),
-              out_dtype=None, layout: operands.OperandLayout = operands.NN) -> jax.Array:
+              out_dtype=None, layout: operands.OperandLayout = operands.NN,
+              keep_pre_activation: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """`epilogue(op(lhs) @ op(rhs) + bias)` with the warp-specialized kernel and a given config.
 
   Where M, N or K is 0 no kernel runs: the result is what `jnp.dot` gives
@@ -182,9 +191,13 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       kernel, or with `config.k_splits` > 1 into the XLA sum of the partials.
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
     layout: how lhs and rhs are stored (`operands.OperandLayout`).
+    keep_pre_activation: also return the pre-activation `op(lhs) @ op(rhs) +
+      bias` (what the activation's derivative needs), written by the same
+      epilogue in `out_dtype`.
 
   Returns:
-    (M, N) array of `out_dtype`, accumulated in float32.
+    (M, N) array of `out_dtype`, accumulated in float32; with
+    `keep_pre_activation`, a pair (output, pre-activation) of such arrays.
   """
   if (bias is not None) != epilogue.has_bias:
     raise ValueError(f"bias is {'given' if bias is not None else 'missing'} but "
@@ -193,7 +206,10 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   check_ws_config(config, operands.pad_k(problem, config.tile_k * config.k_splits), out_dtype,
                   has_bias=bias is not None)
   if problem.is_empty:
-    return empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
+    out = empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
+    if not keep_pre_activation:
+      return out
+    return out, empty_result(problem, out_dtype, (lhs, rhs), bias, Epilogue())
   store_dtype = config.store_dtype(out_dtype)
   sizes = ws_tma_sizes(config, problem, out_dtype)
   lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, sizes)
@@ -203,25 +219,116 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   emit = (emit_pingpong_matmul if config.schedule == Schedule.PINGPONG
           else emit_cooperative_matmul)
 
+  kernel_keeps_pre_activation = keep_pre_activation and config.fuses_epilogue
+  num_outputs = 2 if kernel_keeps_pre_activation else 1
+
   def body(lhs_gmem, rhs_gmem, *rest):
-    *bias_gmem, out_gmem = rest
+    bias_gmem, (out_gmem, *pre_activation_gmem) = rest[:-num_outputs], rest[-num_outputs:]
     emit(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=kernel_epilogue,
-         layout=layout)
+         layout=layout, pre_activation_gmem=pre_activation_gmem[0] if pre_activation_gmem
+         else None)
 
   splits = (config.k_splits,) if config.k_splits > 1 else ()
   work_items = num_work_items(config, pl.cdiv(padded_m, config.cta_tile_m),
                               pl.cdiv(padded_n, config.cta_tile_n))
   clusters = min(device_facts().sm_count // config.cluster_m, work_items)
+  out_type = jax.ShapeDtypeStruct((*splits, padded_m, padded_n), store_dtype)
   kernel = persistent_kernel(
-      body, out_type=jax.ShapeDtypeStruct((*splits, padded_m, padded_n), store_dtype),
+      body, out_type=(out_type,) * num_outputs,
       num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
       name=f"ws_matmul_{config.schedule.value}_{layout.name}")
-  out = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)))
+  outs = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)))
   if not config.fuses_epilogue:
     # One XLA fusion reads the partials once: sum, bias, activation, cast.
-    return epilogue.apply_to_sum(out[:, :m, :n].sum(axis=0),
-                                 None if bias is None else bias[:n]).astype(out_dtype)
-  return out if out.shape == (m, n) else out[:m, :n]
+    pre_activation = Epilogue().apply_to_sum(outs[0][:, :m, :n].sum(axis=0),
+                                             None if bias is None else bias[:n])
+    outs = (epilogue.apply(pre_activation).astype(out_dtype),
+            *((pre_activation.astype(out_dtype),) if keep_pre_activation else ()))
+  else:
+    outs = tuple(out if out.shape == (m, n) else out[:m, :n] for out in outs)
+  return outs if keep_pre_activation else outs[0]
+
+
+def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | None, *,
+                    config: TuningConfig, activation: str, out_dtype=None,
+                    layout: operands.OperandLayout = operands.NN,
+                    keep_products: bool = False):
+  """`activation(op(lhs) @ op(gate_rhs)) * (op(lhs) @ op(up_rhs))` in one kernel.
+
+  The cooperative body loads each LHS tile once for both products, and each
+  compute warpgroup keeps an accumulator for each (`emit_cooperative_matmul`
+  with `up_gmem`). Shapes and padding as for `ws_matmul`.
+
+  Args:
+    lhs: (M, K) float16 or bfloat16, or (K, M) with `layout.transpose_lhs`.
+    gate_rhs: (K, N) of the same dtype, or (N, K) with `layout.transpose_rhs`;
+      or with `up_rhs` None, one fused (K, 2N) weight (not transposed) whose
+      columns [0, N) are the gate's and [N, 2N) the up projection's.
+    up_rhs: stored as `gate_rhs` is, or None (fused).
+    config: a cooperative `TuningConfig` with k_splits = 1; each warpgroup
+      holds two (tile_m, tile_n) accumulators.
+    activation: "none", "relu", "gelu" or "silu", applied to the gate.
+    out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+    layout: how lhs and the weights are stored.
+    keep_products: also return the two products (the gate's pre-activation
+      and the up projection), written by the same epilogue in `out_dtype`.
+
+  Returns:
+    (M, N) array of `out_dtype`; with `keep_products`, a triple (output,
+    gate product, up product) of such arrays.
+  """
+  fused = up_rhs is None
+  if fused:
+    if layout.transpose_rhs or gate_rhs.ndim != 2 or gate_rhs.shape[-1] % 2:
+      raise ValueError(f"a fused weight must be (K, 2N), not transposed; got "
+                       f"{gate_rhs.shape=} with {layout=}")
+    n = gate_rhs.shape[1] // 2
+    gate_shape = (gate_rhs.shape[0], n)
+  else:
+    if (gate_rhs.shape, gate_rhs.dtype) != (up_rhs.shape, up_rhs.dtype):
+      raise ValueError(f"gate_rhs and up_rhs must have one shape and dtype, got "
+                       f"{gate_rhs.shape=} {gate_rhs.dtype}, {up_rhs.shape=} {up_rhs.dtype}")
+    gate_shape = gate_rhs.shape
+  epilogue = Epilogue(activation=activation)
+  problem, out_dtype, _ = _check_call(lhs, jax.ShapeDtypeStruct(gate_shape, gate_rhs.dtype),
+                                      None, out_dtype, layout)
+  check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype, gated=True)
+  if problem.is_empty:  # Both products are zeros, and so is act(0) * 0.
+    zeros = empty_result(problem, out_dtype, (lhs, gate_rhs))
+    return (zeros, zeros, zeros) if keep_products else zeros
+  sizes = ws_tma_sizes(config, problem, out_dtype)
+  if fused and sizes.rhs != gate_shape:
+    # The fused view cannot be padded in place (its up half starts at column
+    # N): pad the two halves apart, which copies them as any padding does.
+    gate_rhs, up_rhs = gate_rhs[:, :n], gate_rhs[:, n:]
+    fused = False
+  if fused:  # Read in place, as both weights.
+    lhs, up_rhs = operands.pad_operands(lhs, None, None, sizes)[0], gate_rhs
+  else:
+    lhs, gate_rhs, _ = operands.pad_operands(lhs, gate_rhs, None, sizes)
+    up_rhs = operands.pad_operands(None, up_rhs, None, sizes)[1]
+  padded_m, padded_n = sizes.out
+  m, n = problem.m, problem.n
+  num_outputs = 3 if keep_products else 1
+
+  def body(lhs_gmem, gate_gmem, up_gmem, out_gmem, *kept_gmem):
+    pre_activation_gmem, up_product_gmem = kept_gmem or (None, None)
+    emit_cooperative_matmul(lhs_gmem, gate_gmem, out_gmem, config=config, epilogue=epilogue,
+                            layout=layout, up_gmem=up_gmem,
+                            up_column_offset=n if fused else 0,
+                            pre_activation_gmem=pre_activation_gmem,
+                            up_product_gmem=up_product_gmem)
+
+  work_items = num_work_items(config, pl.cdiv(padded_m, config.cta_tile_m),
+                              pl.cdiv(padded_n, config.cta_tile_n))
+  clusters = min(device_facts().sm_count // config.cluster_m, work_items)
+  kernel = persistent_kernel(
+      body, out_type=(jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),) * num_outputs,
+      num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
+      name=f"ws_gated_matmul_{layout.name}")
+  outs = tuple(out if out.shape == (m, n) else out[:m, :n]
+               for out in kernel(lhs, gate_rhs, up_rhs))
+  return outs if keep_products else outs[0]
 
 
 def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,

@@ -14,10 +14,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import custom_batching
 
 from core.varying import cotangent_like
 from pipelines import kernel_call, operands, tuning_cache
+from pipelines.batching import batch_as_rows
 from pipelines.config import TuningConfig
 from pipelines.epilogue import Epilogue
 from pipelines.heuristic import default_config
@@ -78,9 +78,11 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   their own configs (the cache or heuristic for their shapes; `config`
   applies to the forward product only); d bias sums the rows. The
   activation's derivative is applied to the output cotangent in float32,
-  at a pre-activation that is recomputed (one more matmul, with a float32
-  output) for gelu and silu and read off the saved output for relu. The
-  cotangent then enters the backward products in the operand dtype.
+  at the pre-activation for gelu and silu, which the forward kernel's
+  epilogue writes beside the output (in `out_dtype`, as a bf16 model keeps
+  its pre-activation) only when the forward is differentiated, and read off
+  the saved output for relu. The cotangent then enters the backward
+  products in the operand dtype.
   Forward-mode differentiation (`jax.jvp`) is not supported.
 
   Returns:
@@ -104,41 +106,82 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
 def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
                          layout: operands.OperandLayout):
   run = _make_batchable(config, epilogue, out_dtype, layout)
+  keeps_pre_activation = epilogue.activation in ("gelu", "silu")
 
   @jax.custom_vjp
   def differentiable(lhs, rhs, bias):
     return run(lhs, rhs, bias)
 
   def forward(lhs, rhs, bias):
-    # Through the custom_vjp, so that differentiating this backward pass
-    # again (grad of grad) never reaches the kernel's own rule-less primitive.
+    # Through a custom_vjp, so that differentiating this backward pass again
+    # (grad of grad) never reaches the kernel's own rule-less primitive.
+    if keeps_pre_activation:
+      # gelu's and silu's derivatives need the pre-activation: the forward
+      # kernel's epilogue writes it beside the output, in the output dtype,
+      # rather than the backward recomputing it with a whole extra matmul.
+      out, pre_activation = _make_keeping_pre_activation(config, epilogue, out_dtype,
+                                                         layout)(lhs, rhs, bias)
+      return out, (lhs, rhs, bias, pre_activation)
     out = differentiable(lhs, rhs, bias)
-    # relu's derivative is read off the output, which costs nothing to keep;
-    # gelu and silu recompute their pre-activation in the backward pass
-    # rather than have the kernel store a second (M, N) array.
+    # relu's derivative is read off the output, which costs nothing to keep.
     return out, (lhs, rhs, bias, out if epilogue.activation == "relu" else None)
 
   def backward(residuals, out_cotangent):
-    lhs, rhs, bias, out = residuals
-    g = out_cotangent.astype(jnp.float32)
-    if epilogue.activation == "relu":
-      g = jnp.where(out > 0, g, 0.0)
-    elif epilogue.activation != "none":
-      pre_activation = matmul(lhs, rhs, bias, out_dtype=jnp.float32,
-                              transpose_lhs=layout.transpose_lhs,
-                              transpose_rhs=layout.transpose_rhs)
-      g = g * epilogue.derivative(pre_activation)
-    d_bias = None if bias is None else g.sum(axis=0).astype(bias.dtype)
-    g = g.astype(lhs.dtype)
-    cotangents = (*_operand_cotangents(lhs, rhs, g, layout), d_bias)
-    return tuple(None if ct is None else cotangent_like(ct, primal)
-                 for ct, primal in zip(cotangents, (lhs, rhs, bias), strict=True))
+    return _backward(epilogue, layout, residuals, out_cotangent)
 
   differentiable.defvjp(forward, backward)
   return differentiable
 
 
-def _operand_cotangents(lhs, rhs, g, layout: operands.OperandLayout):
+@functools.cache
+def _make_keeping_pre_activation(config: TuningConfig, epilogue: Epilogue, out_dtype,
+                                 layout: operands.OperandLayout):
+  """(output, pre-activation) from one kernel, differentiable in both."""
+  run = _make_batchable(config, epilogue, out_dtype, layout, keep_pre_activation=True)
+
+  @jax.custom_vjp
+  def keeping(lhs, rhs, bias):
+    return run(lhs, rhs, bias)
+
+  def forward(lhs, rhs, bias):
+    out, pre_activation = keeping(lhs, rhs, bias)
+    return (out, pre_activation), (lhs, rhs, bias, pre_activation)
+
+  def backward(residuals, cotangents):
+    out_cotangent, pre_activation_cotangent = cotangents
+    return _backward(epilogue, layout, residuals, out_cotangent, pre_activation_cotangent)
+
+  keeping.defvjp(forward, backward)
+  return keeping
+
+
+def _backward(epilogue: Epilogue, layout: operands.OperandLayout, residuals, out_cotangent,
+              pre_activation_cotangent=None):
+  """(d lhs, d rhs, d bias) from the output's cotangent (and the
+  pre-activation's, where the pre-activation is an output too).
+
+  `residuals` is (lhs, rhs, bias, saved): `saved` is the pre-activation for
+  gelu and silu, the output for relu, None otherwise. The activation's
+  derivative and the bias's row sum are elementwise work that XLA fuses into
+  one pass over the cotangent; the cotangent then enters the backward
+  products in the operand dtype.
+  """
+  lhs, rhs, bias, saved = residuals
+  g = out_cotangent.astype(jnp.float32)
+  if epilogue.activation == "relu":
+    g = jnp.where(saved > 0, g, 0.0)
+  elif epilogue.activation != "none":
+    g = g * epilogue.derivative(saved.astype(jnp.float32))
+  if pre_activation_cotangent is not None:
+    g = g + pre_activation_cotangent.astype(jnp.float32)
+  d_bias = None if bias is None else g.sum(axis=0).astype(bias.dtype)
+  g = g.astype(lhs.dtype)
+  cotangents = (*operand_cotangents(lhs, rhs, g, layout), d_bias)
+  return tuple(None if ct is None else cotangent_like(ct, primal)
+               for ct, primal in zip(cotangents, (lhs, rhs, bias), strict=True))
+
+
+def operand_cotangents(lhs, rhs, g, layout: operands.OperandLayout):
   """(d lhs, d rhs) of `op(lhs) @ op(rhs)` for the cotangent g (M, N), each one
   matmul that reads lhs, rhs and g as they are stored, so no operand is
   transposed in HBM. With A = op(lhs), B = op(rhs): dA = g @ B.T, dB = A.T @ g,
@@ -158,24 +201,10 @@ def _operand_cotangents(lhs, rhs, g, layout: operands.OperandLayout):
 
 @functools.cache
 def _make_batchable(config: TuningConfig, epilogue: Epilogue, out_dtype,
-                    layout: operands.OperandLayout):
-  @custom_batching.custom_vmap
+                    layout: operands.OperandLayout, keep_pre_activation: bool = False):
   def run(lhs, rhs, bias):
     return kernel_call.ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue,
-                                 out_dtype=out_dtype, layout=layout)
+                                 out_dtype=out_dtype, layout=layout,
+                                 keep_pre_activation=keep_pre_activation)
 
-  @run.def_vmap
-  def _vmap_rule(axis_size, in_batched, lhs, rhs, bias):
-    lhs_b, rhs_b, bias_b = in_batched
-    if lhs_b and not rhs_b and not bias_b and not layout.transpose_lhs:
-      # One matmul over the stacked rows keeps a single kernel launch.
-      batch, m, k = lhs.shape
-      out = run(lhs.reshape(batch * m, k), rhs, bias)
-      return out.reshape(batch, m, -1), True
-    lhs = lhs if lhs_b else jnp.broadcast_to(lhs, (axis_size, *lhs.shape))
-    rhs = rhs if rhs_b else jnp.broadcast_to(rhs, (axis_size, *rhs.shape))
-    if bias is not None and not bias_b:
-      bias = jnp.broadcast_to(bias, (axis_size, *bias.shape))
-    return jax.lax.map(lambda xs: run(*xs), (lhs, rhs, bias)), True
-
-  return run
+  return batch_as_rows(run, lhs_rows_leading=not layout.transpose_lhs)

@@ -7,11 +7,13 @@ shard_map, checkpoint, scan and a second `jax.grad`.
 """
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import simulator
 from core import interpret, testing
@@ -52,6 +54,14 @@ def loss_and_reference(*, activation, has_bias, out_dtype, layout, weights):
     return jnp.sum(out * weights)
 
   return loss, reference
+
+
+def _kernel_output_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
+  """The output shapes of each Mosaic GPU kernel that tracing `fn(*args)` builds."""
+  with mock.patch.object(plgpu, "kernel", wraps=plgpu.kernel) as kernel:
+    jax.eval_shape(fn, *args)
+  return [[out.shape for out in jax.tree.leaves(call.kwargs["out_type"])]
+          for call in kernel.call_args_list]
 
 
 class MatmulGradTest(testing.KernelTestCase):
@@ -98,9 +108,71 @@ class MatmulGradTest(testing.KernelTestCase):
     with interpret.interpret_disabled():
       text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(lhs, rhs, bias).lower(
           lowering_platforms=("cuda",)).as_text()
-    # The forward product, the recomputed pre-activation, d lhs and d rhs.
-    self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 4)
+    # The forward product (which also writes the pre-activation), d lhs and
+    # d rhs: no product is recomputed.
+    self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 3)
     self.assertNotIn("stablehlo.transpose", text)
+
+  @parameterized.parameters("gelu", "silu")
+  def test_only_a_differentiated_forward_writes_the_pre_activation(self, activation):
+    """The kernel writes a second (M, N) output under `jax.grad` and none without."""
+    lhs, rhs = base.operands(42, 128, 64, 192, jnp.bfloat16)
+    bias = testing.random_array(43, (192,), jnp.float32)
+
+    def forward(a, b, c):
+      return matmul(a, b, c, activation=activation)
+
+    def forward_for_grad(a, b, c):
+      out, _ = jax.vjp(forward, a, b, c)
+      return out
+
+    self.assertEqual(_kernel_output_shapes(forward, lhs, rhs, bias), [[(128, 192)]])
+    self.assertEqual(_kernel_output_shapes(forward_for_grad, lhs, rhs, bias),
+                     [[(128, 192), (128, 192)]])
+
+  @parameterized.named_parameters(
+      ("cooperative", dict(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)),
+      ("cooperative_3_sub_tiles", dict(tile_m=64, tile_n=192, tile_k=64,
+                                       max_concurrent_steps=2)),
+      ("pingpong", dict(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                        schedule=Schedule.PINGPONG)),
+      ("split_k", dict(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, k_splits=2)),
+  )
+  def test_kept_pre_activation_of_each_schedule(self, config_fields):
+    """Both outputs of the epilogue, on ragged shapes with several tiles per
+    block, so a tile's stores of two outputs meet the previous tile's."""
+    m, k, n = 200, 192, 328
+    lhs, rhs = base.operands(55, m, k, n, jnp.bfloat16)
+    bias = testing.random_array(57, (n,), jnp.float32)
+    epilogue = Epilogue(activation="gelu", has_bias=True)
+    with base.with_blocks(2):
+      out, pre_activation = self.run_kernel(functools.partial(
+          ws_matmul, config=TuningConfig(**config_fields), epilogue=epilogue,
+          keep_pre_activation=True), lhs, rhs, bias)
+    f32 = (lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    self.assert_close(out, matmul_reference(*f32, bias, epilogue=epilogue), dtype=jnp.bfloat16)
+    self.assert_close(pre_activation, matmul_reference(*f32, bias,
+                                                       epilogue=Epilogue(has_bias=True)),
+                      dtype=jnp.bfloat16)
+
+  @parameterized.parameters("gelu", "silu")
+  def test_grad_of_grad_through_the_kept_pre_activation(self, activation):
+    lhs, rhs = base.operands(53, 64, 64, 64, jnp.bfloat16)
+    bias = testing.random_array(54, (64,), jnp.float32)
+
+    def outer(inner_matmul, a, b, c):
+      def inner(a, b, c):
+        return jnp.sum(inner_matmul(a, b, c).astype(jnp.float32) ** 2)
+      return jnp.sum(jax.grad(inner, argnums=1)(a, b, c).astype(jnp.float32))
+
+    mm = functools.partial(matmul, activation=activation, out_dtype=jnp.float32)
+    ref = functools.partial(matmul_reference, epilogue=Epilogue(activation=activation,
+                                                                has_bias=True))
+    got = self.run_kernel(jax.grad(functools.partial(outer, mm), argnums=(0, 2)), lhs, rhs, bias)
+    want = jax.grad(functools.partial(outer, ref), argnums=(0, 2))(
+        lhs.astype(jnp.float32), rhs.astype(jnp.float32), bias)
+    for g, w in zip(got, want, strict=True):
+      self.assert_close(g, w, dtype=jnp.bfloat16, tolerance=3e-2)
 
   def test_jvp_raises_one_clear_error(self):
     lhs, rhs = base.operands(45, 64, 64, 64, jnp.bfloat16)

@@ -71,7 +71,8 @@ def pingpong_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias
 
 
 def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: TuningConfig,
-                         epilogue: Epilogue = Epilogue(), layout: OperandLayout = NN) -> None:
+                         epilogue: Epilogue = Epilogue(), layout: OperandLayout = NN,
+                         pre_activation_gmem=None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + bias_gmem)` inside a kernel.
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
@@ -87,6 +88,8 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
     config: a `TuningConfig` with `schedule=Schedule.PINGPONG`.
     layout: how lhs_gmem and rhs_gmem are stored; transposed operands are
       loaded as stored and handed to wgmma as transposed SMEM views.
+    pre_activation_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also
+      receives the sum before the activation (for a backward pass).
   """
   k, m = lhs_gmem.shape if layout.transpose_lhs else lhs_gmem.shape[::-1]
   n = rhs_gmem.shape[0] if layout.transpose_rhs else rhs_gmem.shape[1]
@@ -203,8 +206,11 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
               plgpu.barrier_arrive(consumed.at[barrier_of(first_position + k_steps - 1, wg)])
             if bias_gmem is not None:
               plgpu.barrier_wait(bias_loaded.at[wg])
-            wg_out = out_gmem.at[pl.ds(m_tile * tile_m, tile_m), n_slice]
-            store_epilogue((acc,), wg, wg_out, out_smem, bias_smem, config, epilogue)
+            m_slice = pl.ds(m_tile * tile_m, tile_m)
+            wg_pre_activation = (None if pre_activation_gmem is None
+                                 else pre_activation_gmem.at[m_slice, n_slice])
+            store_epilogue((acc,), wg, out_gmem.at[m_slice, n_slice], out_smem, bias_smem,
+                           config, epilogue, wg_pre_activation=wg_pre_activation)
 
       tile_loop(compute_tile)
       # The last tile's stores must be done reading SMEM before the kernel
