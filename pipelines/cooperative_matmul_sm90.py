@@ -146,7 +146,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             pipeline_callback: PipelineCallback | None = None,
                             delay_release: int = 0, layout: OperandLayout = NN,
                             addend_gmem=None, pre_activation_gmem=None, up_gmem=None,
-                            up_column_offset: int = 0, up_product_gmem=None) -> None:
+                            up_product_gmem=None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   With `up_gmem`, the gated unit instead: `out_gmem = epilogue(lhs_gmem @
@@ -190,12 +190,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       caller makes sure it is written before the epilogue reads it.
     pre_activation_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also
       receives the sum before the activation (for a backward pass).
-    up_gmem: the up projection's RHS, stored as `rhs_gmem` is, or None.
-      Its columns (rows, with `layout.transpose_rhs`) start at
-      `up_column_offset`, so a fused (K, 2N) weight can be passed as both
-      `rhs_gmem` and `up_gmem` with an offset of N: the gate's last partial
-      tile then reads into the up columns, which land only in output columns
-      past N, which TMA does not store.
+    up_gmem: the up projection's RHS, of `rhs_gmem`'s shape and layout, or
+      None. Both may be views of one fused weight (see
+      `kernel_call.ws_gated_matmul`).
     up_product_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also receives
       `lhs_gmem @ up_gmem` (for a backward pass).
   """
@@ -206,8 +203,10 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   gated = up_gmem is not None
   if gated and (pipeline_callback is not None or addend_gmem is not None):
     raise ValueError("a gated unit (up_gmem) takes no pipeline_callback or addend_gmem")
-  if (up_product_gmem is not None or up_column_offset) and not gated:
-    raise ValueError("up_product_gmem and up_column_offset need up_gmem")
+  if up_product_gmem is not None and not gated:
+    raise ValueError("up_product_gmem needs up_gmem")
+  if gated and up_gmem.shape != rhs_gmem.shape:
+    raise ValueError(f"up_gmem must have rhs_gmem's shape {rhs_gmem.shape}, got {up_gmem.shape}")
   if k_splits > 1 and (bias_gmem is not None or epilogue != Epilogue()
                        or pipeline_callback is not None or addend_gmem is not None
                        or pre_activation_gmem is not None or gated):
@@ -325,13 +324,13 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
 
       lhs_tiles = (lhs_gmem.at[k_slice, cta_m_slice] if layout.transpose_lhs
                    else lhs_gmem.at[cta_m_slice, k_slice])
-      def rhs_tiles_of(gmem, column_offset=0):
-        n_slice = pl.ds(column_offset + n_tile * cta_n, cta_n)
-        return gmem.at[n_slice, k_slice] if layout.transpose_rhs else gmem.at[k_slice, n_slice]
+      def rhs_tiles_of(gmem):
+        return gmem.at[cta_n_slice, k_slice] if layout.transpose_rhs else gmem.at[k_slice,
+                                                                                   cta_n_slice]
 
       rhs_tiles = [rhs_tiles_of(rhs_gmem)] * config.rhs_tiles
       if gated:
-        rhs_tiles += [rhs_tiles_of(up_gmem, up_column_offset)] * config.rhs_tiles
+        rhs_tiles += [rhs_tiles_of(up_gmem)] * config.rhs_tiles
       # Each RHS spec picks its tiles of the CTA's columns.
       _operand_pipeline(config, dtype, k_steps, delay_release, layout, mma_step,
                         compute_context, swizzle, num_rhs)(lhs_tiles, *rhs_tiles,

@@ -297,13 +297,14 @@ def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | Non
     zeros = empty_result(problem, out_dtype, (lhs, gate_rhs))
     return (zeros, zeros, zeros) if keep_products else zeros
   sizes = ws_tma_sizes(config, problem, out_dtype)
-  if fused and sizes.rhs != gate_shape:
-    # The fused view cannot be padded in place (its up half starts at column
-    # N): pad the two halves apart, which copies them as any padding does.
+  if fused and (sizes.rhs != gate_shape or n * gate_rhs.dtype.itemsize % 16):
+    # The fused view cannot be padded in place, and TMA needs its up half
+    # (at column N) to start on 16 bytes: pad the two halves apart, which
+    # copies them as any padding does.
     gate_rhs, up_rhs = gate_rhs[:, :n], gate_rhs[:, n:]
     fused = False
-  if fused:  # Read in place, as both weights.
-    lhs, up_rhs = operands.pad_operands(lhs, None, None, sizes)[0], gate_rhs
+  if fused:  # Read in place.
+    lhs = operands.pad_operands(lhs, None, None, sizes)[0]
   else:
     lhs, gate_rhs, _ = operands.pad_operands(lhs, gate_rhs, None, sizes)
     up_rhs = operands.pad_operands(None, up_rhs, None, sizes)[1]
@@ -311,11 +312,16 @@ def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | Non
   m, n = problem.m, problem.n
   num_outputs = 3 if keep_products else 1
 
-  def body(lhs_gmem, gate_gmem, up_gmem, out_gmem, *kept_gmem):
+  def body(lhs_gmem, gate_gmem, *rest):
+    if fused:
+      # The two halves of the (K, 2N) weight, as (K, N) views of it.
+      (out_gmem, *kept_gmem), up_gmem = rest, gate_gmem.at[:, pl.ds(n, n)]
+      gate_gmem = gate_gmem.at[:, pl.ds(0, n)]
+    else:
+      up_gmem, out_gmem, *kept_gmem = rest
     pre_activation_gmem, up_product_gmem = kept_gmem or (None, None)
     emit_cooperative_matmul(lhs_gmem, gate_gmem, out_gmem, config=config, epilogue=epilogue,
                             layout=layout, up_gmem=up_gmem,
-                            up_column_offset=n if fused else 0,
                             pre_activation_gmem=pre_activation_gmem,
                             up_product_gmem=up_product_gmem)
 
@@ -327,7 +333,7 @@ def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | Non
       num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
       name=f"ws_gated_matmul_{layout.name}")
   outs = tuple(out if out.shape == (m, n) else out[:m, :n]
-               for out in kernel(lhs, gate_rhs, up_rhs))
+               for out in kernel(lhs, *((gate_rhs,) if fused else (gate_rhs, up_rhs))))
   return outs if keep_products else outs[0]
 
 

@@ -500,11 +500,26 @@ def _device_name() -> str:
   return f"{jax.devices()[0].device_kind} (no GPU)"
 
 
+_COLUMNS = ["layer", "size", "pass", "impl", "median_us", "tflops", "ratio_to_xla", "ratio_min",
+            "ratio_max", "rel_error_max", "error", "skipped"]
+
+
 def run(sizes: list[LayerSize], layers: list[Layer], *, impl_names, pass_names,
-        iterations: int, rounds: int) -> dict:
-  """The whole benchmark: the JSON document (see `main`)."""
+        iterations: int, rounds: int, json_path: str | None = None) -> dict:
+  """The whole benchmark: the JSON document (see `main`).
+
+  With `json_path`, the document so far is written there after each layer,
+  so a run cut short keeps what it measured.
+  """
   start = time.perf_counter()
   records, notes, elapsed = [], [], {}
+
+  def document():
+    return dict(device=_device_name(), jax_version=jax.__version__,
+                timer="CUPTI kernel time" if has_gpu() else "wall clock (no GPU: interpret mode)",
+                baseline=BASELINE, iterations=iterations, rounds=rounds, notes=notes,
+                elapsed_s=dict(elapsed, total=time.perf_counter() - start), records=records)
+
   for size in sizes:
     for layer in layers:
       section = time.perf_counter()
@@ -515,11 +530,12 @@ def run(sizes: list[LayerSize], layers: list[Layer], *, impl_names, pass_names,
       records += got
       notes += got_notes
       elapsed[f"{layer.name} {size.name}"] = time.perf_counter() - section
+      report.print_table(got, _COLUMNS)
       print(f"{layer.name} {size.name}: {elapsed[f'{layer.name} {size.name}']:.1f} s", flush=True)
-  return dict(device=_device_name(), jax_version=jax.__version__,
-              timer="CUPTI kernel time" if has_gpu() else "wall clock (no GPU: interpret mode)",
-              baseline=BASELINE, iterations=iterations, rounds=rounds, notes=notes,
-              elapsed_s=dict(elapsed, total=time.perf_counter() - start), records=records)
+      if json_path is not None:
+        with open(json_path, "w") as f:
+          json.dump(document(), f, indent=1)
+  return document()
 
 
 def plot(records: list[dict], path: str) -> None:
@@ -596,11 +612,11 @@ def main(argv):
   if iterations < 1 or rounds < 1:
     raise ValueError(f"--iterations={iterations} and --rounds={rounds} must be >= 1")
   out_dir = cli.output_dir(_OUT_DIR.value)
+  json_path, png_path = (os.path.join(out_dir, name)
+                         for name in ("train_bench.json", "train_bench.png"))
   doc = run(sizes, layers, impl_names=impl_names, pass_names=pass_names,
-            iterations=iterations, rounds=rounds)
-  report.print_table(doc["records"], ["layer", "size", "pass", "impl", "median_us", "tflops",
-                                      "ratio_to_xla", "ratio_min", "ratio_max", "rel_error_max",
-                                      "error", "skipped"])
+            iterations=iterations, rounds=rounds, json_path=json_path)
+  report.print_table(doc["records"], _COLUMNS)
   for impl in impl_names:
     for pass_name in pass_names:
       ratios = [r["ratio_to_xla"] for r in doc["records"]
@@ -609,8 +625,6 @@ def main(argv):
         print(f"median ratio to xla, {impl} {pass_name}: {statistics.median(ratios):.3f} "
               f"({len(ratios)} layers)")
   print(f"total {doc['elapsed_s']['total']:.0f} s")
-  json_path, png_path = (os.path.join(out_dir, name)
-                         for name in ("train_bench.json", "train_bench.png"))
   with open(json_path, "w") as f:
     json.dump(doc, f, indent=1)
   report.write_plot(plot, doc["records"], png_path)
