@@ -7,13 +7,11 @@ keeps for the backward.
 """
 
 import functools
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import simulator
 from core import interpret, testing
@@ -44,14 +42,6 @@ def weights(seed, k, n, dtype=jnp.bfloat16):
   scale = 1.0 / np.sqrt(k)
   return (testing.random_array(seed, (k, n), dtype, scale=scale),
           testing.random_array(seed + 1, (k, n), dtype, scale=scale))
-
-
-def kernel_output_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
-  """The output shapes of each Mosaic GPU kernel that tracing `fn(*args)` builds."""
-  with mock.patch.object(plgpu, "kernel", wraps=plgpu.kernel) as kernel:
-    jax.eval_shape(fn, *args)
-  return [[out.shape for out in jax.tree.leaves(call.kwargs["out_type"])]
-          for call in kernel.call_args_list]
 
 
 class GatedLinearUnitTest(testing.KernelTestCase):
@@ -161,7 +151,7 @@ class GatedLinearUnitTest(testing.KernelTestCase):
     w_gate, w_up = weights(21, 64, 192)
     fused = jnp.stack([w_gate, w_up], axis=1)
     forward = functools.partial(gated_linear_unit, config=SMALL)
-    self.assertEqual(kernel_output_shapes(forward, x, w_gate, w_up), [[(128, 192)]])
+    self.assertEqual(base.kernel_output_shapes(forward, x, w_gate, w_up), [[(128, 192)]])
     for ws, backward_kernels in (((w_gate, w_up), 4), ((fused,), 2)):
       with self.subTest(fused=len(ws) == 1):
         step = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)),
@@ -171,7 +161,7 @@ class GatedLinearUnitTest(testing.KernelTestCase):
         self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1 + backward_kernels)
         self.assertNotIn("stablehlo.transpose", text)
     # Traced kernels are cached by shape: a new one, so that this one traces.
-    self.assertEqual(kernel_output_shapes(lambda *a: jax.vjp(forward, *a)[0], x[:64], fused),
+    self.assertEqual(base.kernel_output_shapes(lambda *a: jax.vjp(forward, *a)[0], x[:64], fused),
                      [[(64, 192)] * 3])
 
   def test_grad_of_grad(self):

@@ -7,13 +7,11 @@ shard_map, checkpoint, scan and a second `jax.grad`.
 """
 
 import functools
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import simulator
 from core import interpret, testing
@@ -54,14 +52,6 @@ def loss_and_reference(*, activation, has_bias, out_dtype, layout, weights):
     return jnp.sum(out * weights)
 
   return loss, reference
-
-
-def _kernel_output_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
-  """The output shapes of each Mosaic GPU kernel that tracing `fn(*args)` builds."""
-  with mock.patch.object(plgpu, "kernel", wraps=plgpu.kernel) as kernel:
-    jax.eval_shape(fn, *args)
-  return [[out.shape for out in jax.tree.leaves(call.kwargs["out_type"])]
-          for call in kernel.call_args_list]
 
 
 class MatmulGradTest(testing.KernelTestCase):
@@ -126,8 +116,8 @@ class MatmulGradTest(testing.KernelTestCase):
       out, _ = jax.vjp(forward, a, b, c)
       return out
 
-    self.assertEqual(_kernel_output_shapes(forward, lhs, rhs, bias), [[(128, 192)]])
-    self.assertEqual(_kernel_output_shapes(forward_for_grad, lhs, rhs, bias),
+    self.assertEqual(base.kernel_output_shapes(forward, lhs, rhs, bias), [[(128, 192)]])
+    self.assertEqual(base.kernel_output_shapes(forward_for_grad, lhs, rhs, bias),
                      [[(128, 192), (128, 192)]])
 
   @parameterized.named_parameters(

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 from unittest import mock
 
+import jax
 import jax.numpy as jnp
 from absl.testing import parameterized
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -43,6 +44,18 @@ def operands(seed: int, m: int, k: int, n: int, dtype, layout: OperandLayout = N
 def no_kernel_built():
   """Fails the test if anything inside builds a Mosaic GPU kernel."""
   return mock.patch.object(plgpu, "kernel", side_effect=AssertionError("a kernel was built"))
+
+
+def kernel_output_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
+  """The output shapes of each Mosaic GPU kernel that tracing `fn(*args)` builds.
+
+  JAX caches traces by shape, so a kernel already traced with these shapes
+  in this process is not built again and does not appear.
+  """
+  with mock.patch.object(plgpu, "kernel", wraps=plgpu.kernel) as kernel:
+    jax.eval_shape(fn, *args)
+  return [[out.shape for out in jax.tree.leaves(call.kwargs["out_type"])]
+          for call in kernel.call_args_list]
 
 
 def with_blocks(num_blocks: int):
