@@ -16,6 +16,7 @@ axis `SM_AXIS`, thread axis `WG_AXIS`), its config checked by
 
 from pipelines.config import MatmulDimension, PipelinedConfig, Schedule, TuningConfig
 from pipelines.cooperative_matmul_sm90 import PipelineCallback, emit_cooperative_matmul
+from pipelines.dot_general import dot_general
 from pipelines.epilogue import Epilogue
 from pipelines.gated_linear_unit import gated_linear_unit
 from pipelines.heuristic import default_config
@@ -33,7 +34,8 @@ from pipelines.reference import matmul_reference
 
 __all__ = [
     "SM_AXIS", "WG_AXIS", "Epilogue", "MatmulDimension", "PipelineCallback", "PipelinedConfig",
-    "Schedule", "TuningConfig", "check_ws_config", "default_config", "emit_cooperative_matmul",
+    "Schedule", "TuningConfig", "check_ws_config", "default_config", "dot_general",
+    "emit_cooperative_matmul",
     "gated_linear_unit",
     "matmul", "matmul_reference", "pallas_call_matmul", "persistent_kernel", "pipelined_matmul",
     "ws_matmul", "ws_smem_budget",
