@@ -333,5 +333,20 @@ class TimeWallTest(absltest.TestCase):
       timing.time_wall("f", jnp.sin, (jnp.zeros(4),), flops=1, calls_per_sample=0)
 
 
+class TimeGpuTest(parameterized.TestCase):
+
+  @parameterized.parameters(1, 3)
+  def test_one_time_per_iteration(self, iterations):
+    """One timed call as well as several: the profiler gives a lone call's
+    time as a number, not a list."""
+    if not device.has_gpu():
+      self.skipTest("CUPTI times GPU kernels")
+    t, out = timing.time_gpu("f", lambda x: x * 2, (jnp.ones(1 << 20),), flops=1 << 20,
+                             iterations=iterations)
+    self.assertLen(t.times_us, iterations)
+    self.assertTrue(all(us > 0 for us in t.times_us))
+    self.assertEqual(float(out[0]), 2.0)
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -72,6 +72,9 @@ def time_gpu(name: str, fn: Callable, args: Sequence, *, flops: int, config: str
   _, runtimes_ms = profiler.measure(jitted, iterations=iterations)(*args)
   if runtimes_ms is None:
     raise RuntimeError(f"{name}: no GPU kernel was launched")
+  if iterations == 1:
+    # The profiler gives one call's time as a number, not a list of one.
+    runtimes_ms = [runtimes_ms]
   return Timing(name=name, config=config, compile_s=compile_s,
                 times_us=tuple(t * 1e3 / num_devices for t in runtimes_ms), flops=flops), out
 
