@@ -17,7 +17,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MGPU_TEST_BACKEND=gpu
+# What is already on PYTHONPATH (a folder of carried wheels: flax for
+# pipelines/dot_general_test.py, a peer library for the benchmarks) stays on it.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 MGPU_TEST_BACKEND=gpu
 PY=${PYTHON:-python3}
 step=$1
 shift
