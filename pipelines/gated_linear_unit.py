@@ -16,6 +16,7 @@ matmul; with separate weights d x is two matmuls summed in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from core.varying import cotangent_like
-from pipelines import kernel_call, operands
+from pipelines import heuristic, kernel_call, operands
 from pipelines.batching import batch_as_rows
 from pipelines.config import MatmulDimension, TuningConfig
 from pipelines.epilogue import Epilogue
@@ -32,8 +33,23 @@ from pipelines.matmul import operand_cotangents
 # Each compute warpgroup holds a (64, 128) accumulator for each product: as
 # many registers as the (64, 256) tile `matmul` takes on large problems, and
 # the same loads per K step (a 128-row x tile and 256 weight columns).
-DEFAULT_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=4,
-                              wg_dimension=MatmulDimension.M)
+BASE_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                           wg_dimension=MatmulDimension.M)
+
+
+def default_config(problem: operands.MatmulProblem) -> TuningConfig:
+  """`BASE_CONFIG`, in 2-CTA clusters that multicast each weight tile to two
+  row tiles where the clusters take no more waves than single CTAs.
+
+  Fitted on the forward of four model layers (llama3-8b at 8192 and 1024
+  tokens, qwen2.5-7b at 8192, llama3-70b at 256) against six other configs
+  (steps, epilogue tile, grid order, warpgroup split); checked on four held
+  back (gemma2-9b at 8192, llama3.2-1b at 16384, qwen2.5-14b at 512,
+  qwen2.5-32b at 2048): perf/2026-12-02-h200-gated-unit-configs.json.
+  """
+  if heuristic.clusters_take_no_more_waves(BASE_CONFIG, problem):
+    return dataclasses.replace(BASE_CONFIG, cluster_m=2)
+  return BASE_CONFIG
 
 
 def gated_linear_unit(x: jax.Array, w_gate: jax.Array, w_up: jax.Array | None = None, *,
@@ -52,7 +68,8 @@ def gated_linear_unit(x: jax.Array, w_gate: jax.Array, w_up: jax.Array | None = 
     out_dtype: float16, bfloat16 or float32; x's dtype by default.
     transpose_rhs: separate weights stored (N, K), read as stored.
     config: a cooperative `TuningConfig` with k_splits = 1, whose warpgroups
-      each hold two (tile_m, tile_n) accumulators; `DEFAULT_CONFIG` by default.
+      each hold two (tile_m, tile_n) accumulators; `default_config(...)` of
+      the problem by default.
 
   Both products accumulate in float32 and the gating runs on the float32
   accumulators before the one cast to `out_dtype`. Gradients (`jax.grad`,
@@ -94,7 +111,7 @@ def gated_linear_unit(x: jax.Array, w_gate: jax.Array, w_up: jax.Array | None = 
   problem = operands.check_operands(rows, jax.ShapeDtypeStruct(gate_shape, w_gate.dtype), layout)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   Epilogue(activation=activation)  # Raises on an unknown activation.
-  config = DEFAULT_CONFIG if config is None else config
+  config = default_config(problem) if config is None else config
   if not isinstance(config, TuningConfig):
     raise ValueError(f"config must be a TuningConfig, got {type(config).__name__}")
   kernel_call.check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype,

@@ -6,6 +6,7 @@ stores meet the previous tile's), both weight forms (separate and fused
 keeps for the backward.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -16,9 +17,10 @@ from absl.testing import absltest, parameterized
 import simulator
 from core import interpret, testing
 from core.numerics import RELATIVE_TOLERANCE, elementwise_violations, relative_error
-from pipelines import MatmulDimension, Schedule, TuningConfig, gated_linear_unit
+from pipelines import MatmulDimension, Schedule, TuningConfig, gated_linear_unit, operands
 from pipelines import matmul_test_base as base
 from pipelines.epilogue import ACTIVATIONS, Epilogue
+from pipelines.gated_linear_unit import default_config
 
 simulator.reserve_intra_op_threads()
 
@@ -75,7 +77,9 @@ class GatedLinearUnitTest(testing.KernelTestCase):
       ("float16", dict(dtype=jnp.float16, activation="gelu")),
       ("fused_n_off_16_bytes", dict(fused=True, shape=(136, 128, 100))),
       ("one_row", dict(shape=(1, 256, 192), fused=True)),
-      ("default_config", dict(config=None, shape=(256, 192, 384), blocks=3)),
+      ("default_config_clustered", dict(config=None, shape=(256, 192, 384), blocks=4)),
+      # 68 column tiles: more than 66 pairs of SMs, so not clustered.
+      ("default_config_one_row", dict(config=None, shape=(1, 64, 8704), blocks=2)),
   )
   def test_configs_layouts_and_dtypes(self, overrides):
     overrides = dict(overrides)
@@ -232,6 +236,22 @@ class GatedLinearUnitTest(testing.KernelTestCase):
                     argnums=(0, 1))(*(a.astype(jnp.float32) for a in (x, w_gate, w_up)))
     for g, w in zip(got, want, strict=True):
       self.assert_close(g, w, dtype=jnp.bfloat16)
+
+
+class DefaultConfigTest(absltest.TestCase):
+
+  def problem(self, m, k=4096, n=14336):
+    return operands.check_operands(jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                                   jax.ShapeDtypeStruct((k, n), jnp.bfloat16),
+                                   operands.OperandLayout())
+
+  def test_clusters_where_they_take_no_more_waves(self):
+    # 64 row tiles of 112 column tiles: pairs fill the SMs as well as single CTAs.
+    self.assertEqual(default_config(self.problem(8192)).cluster_m, 2)
+    # One row tile (decode): its 112 tiles are one wave alone, two in pairs.
+    self.assertEqual(default_config(self.problem(1)).cluster_m, 1)
+    self.assertEqual(dataclasses.replace(default_config(self.problem(1)), cluster_m=2),
+                     default_config(self.problem(8192)))
 
 
 class ValidationTest(parameterized.TestCase):

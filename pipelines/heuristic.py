@@ -294,6 +294,20 @@ def _with_rhs_copy_us(config: TuningConfig, time_us: float, problem: operands.Ma
   return time_us + _rhs_padding_us(config, problem, out_dtype)
 
 
+def clusters_take_no_more_waves(config: TuningConfig, problem: operands.MatmulProblem) -> bool:
+  """Whether pairs of vertically adjacent CTA tiles, run as 2-CTA clusters
+  (`TuningConfig.cluster_m` = 2), take no more waves on the SMs than single
+  CTAs: an odd count of M tiles leaves one block of the last pair computing
+  for nothing, and a cluster needs two SMs free at once."""
+  m_tiles = -(-problem.m // config.cta_tile_m)
+  per_m_tile = -(-problem.n // config.cta_tile_n) * config.k_splits
+  sm_count = device_facts().sm_count
+  waves = -(-m_tiles * per_m_tile // sm_count)
+  pairs = -(-m_tiles // 2)
+  cluster_waves = -(-pairs * per_m_tile // (sm_count // 2))
+  return cluster_waves <= waves
+
+
 def _with_rhs_in_place(config: TuningConfig, problem: operands.MatmulProblem,
                        out_dtype) -> TuningConfig:
   """`config`, or the same with one-segment RHS tiles multicast to clusters of
@@ -331,17 +345,10 @@ def _with_rhs_in_place(config: TuningConfig, problem: operands.MatmulProblem,
                  * _ONE_SEGMENT_RHS_TILES_COST[config.tile_n // segment])
   if in_place_us >= current_us:
     return config
-  # Work items per M tile, and waves of them on the SMs, alone or in pairs.
-  m_tiles = -(-problem.m // config.cta_tile_m)
-  per_m_tile = -(-problem.n // config.cta_tile_n) * config.k_splits
-  sm_count = device_facts().sm_count
-  waves = -(-m_tiles * per_m_tile // sm_count)
-  pairs = -(-m_tiles // 2)
-  cluster_waves = -(-pairs * per_m_tile // (sm_count // 2))
-  clustered = cluster_waves <= waves
   candidate = dataclasses.replace(config, rhs_tile_n=segment,
                                   epi_tile_n=math.gcd(config.epi_tile_n, segment),
-                                  cluster_m=2 if clustered else 1)
+                                  cluster_m=2 if clusters_take_no_more_waves(config, problem)
+                                  else 1)
   candidate_sizes = kernel_call.ws_tma_sizes(candidate, problem, out_dtype)
   in_place = (candidate_sizes.rhs == stored and candidate_sizes.lhs == sizes.lhs
               and _kernel_operand_swizzle(candidate, problem, candidate_sizes)
