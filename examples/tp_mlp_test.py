@@ -20,16 +20,24 @@ class TpMlpTest(parameterized.TestCase):
     self.assertTrue(row["agree"])
     return row
 
-  @parameterized.product(num_devices=[2, 8], implementation=["auto", "xla_ring", "naive"])
-  def test_step_matches_the_xla_model(self, num_devices, implementation):
-    row = self.check(num_devices, implementation=implementation)
+  @parameterized.product(block=tp_mlp.BLOCKS, num_devices=[2, 8],
+                         implementation=["auto", "xla_ring", "naive"])
+  def test_step_matches_the_xla_model(self, block, num_devices, implementation):
+    row = self.check(num_devices, block=block, implementation=implementation)
     if jax.default_backend() == "cpu":
       expected = {"auto": "xla_ring / xla_ring", "xla_ring": "xla_ring / xla_ring",
                   "naive": "xla_all_gather / xla_reduce_scatter"}[implementation]
       self.assertEqual(row["implementation"], expected)
 
-  def test_float16(self):
-    self.check(4, dtype=jnp.float16)
+  def test_one_device_gated_block_runs_the_gated_kernel(self):
+    """Nothing to gather: the up projection is the fused gated kernel (in
+    interpret mode on CPU)."""
+    row = self.check(1, block="gated")
+    self.assertTrue(row["implementation"].startswith("gated_linear_unit / "), row)
+
+  @parameterized.parameters(*tp_mlp.BLOCKS)
+  def test_float16(self, block):
+    self.check(4, block=block, dtype=jnp.float16)
 
 
 if __name__ == "__main__":
