@@ -18,8 +18,15 @@ back-to-back calls (`tools.gpu_sampling.sustained_run`).
 
 `--suite=shapes` times the shape classes users have beyond the aligned suite
 (M and N off the tiles, decode-size M, small outputs with a long K, K off 64),
-`--suite=narrow` outputs at most 64 columns wide (N = 16-64);
-where the tuning cache has an entry, a second row shows the heuristic's config.
+`--suite=narrow` outputs at most 64 columns wide (N = 16-64), `--suite=models`
+the GEMMs of published models' training and inference steps
+(`tools.model_shapes`: projections, MLPs, LM heads, MoE experts, LoRA adapters,
+decode), each problem in its own layout (--layout does not apply) and each
+record tagged with its half, models, roles and steps; `--half=fit|check|both`
+picks the half of its model families (the check half is what targets are
+judged on), and the run ends with each kernel's median ratio per half and the
+count below 0.95x, the heuristic alone beside the tuning cache.
+Where the tuning cache has an entry, a second row shows the heuristic's config.
 `--layout=TN` (repeatable: NN, TN, NT, TT) times operands stored transposed,
 against XLA's dot_general on the same stored arrays; `--backward` adds the
 backward pass of a gelu layer against XLA's autodiff of it.
@@ -52,7 +59,7 @@ from pipelines import (
   tuning_cache,
 )
 from pipelines.operands import NN, MatmulProblem, OperandLayout
-from tools import cli, gpu_sampling, report
+from tools import cli, gpu_sampling, model_shapes, report
 
 # The aligned suite: tile-multiple shapes, where the kernels were first tuned.
 SUITE = ((1024, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 8192, 4096),
@@ -68,12 +75,26 @@ SHAPE_CLASSES = ((1000, 4096, 3000), (333, 2048, 1111), (4999, 4096, 2500), (100
 # heuristic gives 64-column CTA tiles.
 NARROW_OUTPUTS = ((64, 4096, 64), (1000, 4096, 64), (4096, 4096, 64), (4096, 14336, 64),
                   (3000, 4096, 48), (8192, 4096, 32), (4096, 4096, 16), (16384, 4096, 16))
-SUITES = {"aligned": SUITE, "shapes": SHAPE_CLASSES, "narrow": NARROW_OUTPUTS}
+# The GEMMs of published models (tools.model_shapes): problems, each with its own layout,
+# half, models, roles and steps, where the other suites are (M, K, N) timed in --layout.
+MODEL_SUITE = "models"
+SUITES = {"aligned": SUITE, "shapes": SHAPE_CLASSES, "narrow": NARROW_OUTPUTS,
+          MODEL_SUITE: model_shapes.suite()}
+BOTH_HALVES = "both"
+# A kernel below this ratio to jnp.dot on a problem is counted in the end-of-run summary.
+SLOW_RATIO = 0.95
+WARP_SPECIALIZED = "ours: warp-specialized"
+HEURISTIC = "ours: heuristic config"
+HEURISTIC_ALONE = "ours: heuristic alone (no tuning cache)"
 
 _SUITE = flags.DEFINE_enum("suite", "aligned", list(SUITES),
                            "Shapes to time when --shapes is not given: the aligned suite, "
-                           "the shape classes (ragged, decode-size, long-K, K off 64), or "
-                           "outputs at most 64 columns wide.")
+                           "the shape classes (ragged, decode-size, long-K, K off 64), "
+                           "outputs at most 64 columns wide, or the GEMMs of published "
+                           "models (each in its own layout).")
+_HALF = flags.DEFINE_enum("half", BOTH_HALVES, [*model_shapes.HALVES, BOTH_HALVES],
+                          "The half of --suite=models to time: the model families constants "
+                          "are fitted on, those they are checked on, or both.")
 _SHAPES = flags.DEFINE_list("shapes", None, "Problems as MxKxN (instead of --suite).")
 _DTYPES = flags.DEFINE_list("dtypes", ["float16", "bfloat16"], "Operand dtypes.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per kernel and round.")
@@ -161,13 +182,13 @@ def bench_problem(m: int, k: int, n: int, dtype, layout: OperandLayout = NN) -> 
   transposes = dict(transpose_lhs=layout.transpose_lhs, transpose_rhs=layout.transpose_rhs)
   impls = {
       "jnp.dot": _xla_dot(layout),
-      "ours: warp-specialized": functools.partial(matmul, **transposes),
+      WARP_SPECIALIZED: functools.partial(matmul, **transposes),
   }
   problem = MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(dtype), layout=layout)
   if tuning_cache.lookup(problem, dtype) is not None:
     # The row above takes the cached config; this one shows what a shape
     # outside the cache gets.
-    impls["ours: heuristic config"] = functools.partial(
+    impls[HEURISTIC] = functools.partial(
         matmul, config=default_config(problem, dtype), **transposes)
   for text in _WS_CONFIGS.value:
     config = cli.parse_config(TuningConfig, text)
@@ -240,6 +261,54 @@ def plot(records: list[dict], path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
+def problem_list(suite: str, layouts: list[OperandLayout], *, shapes=None,
+                 half: str = BOTH_HALVES) -> list[tuple[tuple[int, int, int], list, dict]]:
+  """What a run times: (M, K, N), the layouts to time it in and the tags its records carry.
+
+  `shapes` (--shapes) or the suite's shapes, each in every one of `layouts`; the models
+  suite's problems of `half`, each in its own layout, tagged with its half, models,
+  roles and steps.
+  """
+  if shapes or suite != MODEL_SUITE:
+    return [(tuple(shape), list(layouts), {}) for shape in shapes or SUITES[suite]]
+  return [((p.m, p.k, p.n), [p.layout],
+           dict(half=p.half, models=list(p.models), roles=list(p.roles), steps=list(p.steps)))
+          for p in SUITES[suite] if half in (BOTH_HALVES, p.half)]
+
+
+def ratio_summary(records: list[dict]) -> list[str]:
+  """Each kernel's median ratio to jnp.dot; for the models suite per half, with the
+  count below SLOW_RATIO, and the heuristic alone: per problem, the heuristic config's
+  row where the tuning cache has an entry, else the warp-specialized one (which then
+  runs the heuristic's config)."""
+  lines = []
+  for half in (None, *model_shapes.HALVES):  # None: the other suites' records.
+    group = [r for r in records if r.get("half") == half]
+    ratios = {}
+    for r in group:
+      if "ratio_to_dot" in r:
+        ratios.setdefault(r["kernel"], []).append(r["ratio_to_dot"])
+    if half is None:
+      lines += [f"median ratio to jnp.dot, {kernel}: {statistics.median(ratios[kernel]):.3f}"
+                for kernel in sorted(ratios)]
+      continue
+    chosen = {}  # (shape, dtype, layout) -> the heuristic's record.
+    for r in group:
+      key = (r["shape"], r["dtype"], r["layout"])
+      if r["kernel"] == HEURISTIC or (r["kernel"] == WARP_SPECIALIZED and key not in chosen):
+        chosen[key] = r
+    heuristic = [r["ratio_to_dot"] for r in chosen.values() if "ratio_to_dot" in r]
+    if heuristic:
+      ratios[HEURISTIC_ALONE] = heuristic
+    for kernel in sorted(ratios):
+      values = ratios[kernel]
+      slow = sum(v < SLOW_RATIO for v in values)
+      lines.append(f"median ratio to jnp.dot, {half} half, {kernel}: "
+                   f"{statistics.median(values):.3f} ({slow} of {len(values)} below "
+                   f"{SLOW_RATIO}x)")
+  return lines
+
+
 def main(argv):
   del argv
   if not has_gpu():
@@ -248,23 +317,24 @@ def main(argv):
   records = []
   layouts = [OperandLayout(transpose_lhs=name[0] == "T", transpose_rhs=name[1] == "T")
              for name in _LAYOUTS.value]
-  shapes = ([cli.parse_shape(shape) for shape in _SHAPES.value] if _SHAPES.value
-            else SUITES[_SUITE.value])
-  for m, k, n in shapes:
+  shapes = [cli.parse_shape(shape) for shape in _SHAPES.value or ()]
+  for (m, k, n), problem_layouts, tags in problem_list(_SUITE.value, layouts, shapes=shapes,
+                                                       half=_HALF.value):
     for dtype in _DTYPES.value:
-      for layout in layouts:
-        records += bench_problem(m, k, n, jnp.dtype(dtype), layout)
+      for layout in problem_layouts:
+        records += [dict(r, **tags) for r in bench_problem(m, k, n, jnp.dtype(dtype), layout)]
       if _BACKWARD.value:
-        records += bench_backward(m, k, n, jnp.dtype(dtype))
+        records += [dict(r, **tags) for r in bench_backward(m, k, n, jnp.dtype(dtype))]
   columns = ["shape", "dtype", "layout", "kernel", "median_us", "tflops", "ratio_to_dot",
              "ratio_min", "ratio_max", "rel_error", "error"]
   if _SUSTAIN_S.value:
     columns[-2:-2] = ["wallclock_tflops", "sm_clock_mhz", "power_w", "clock_event_reasons"]
-  report.print_table(records, columns)
-  for kernel in sorted({r["kernel"] for r in records}):
-    ratios = [r["ratio_to_dot"] for r in records if r["kernel"] == kernel and "ratio_to_dot" in r]
-    if ratios:
-      print(f"median ratio to jnp.dot, {kernel}: {statistics.median(ratios):.3f}")
+  if any("half" in r for r in records):
+    columns[3:3] = ["half", "steps", "models"]
+  report.print_table([{key: ",".join(v) if isinstance(v, list) else v for key, v in r.items()}
+                      for r in records], columns)
+  for line in ratio_summary(records):
+    print(line)
   json_path, png_path = (os.path.join(out_dir, name)
                          for name in ("matmul_bench.json", "matmul_bench.png"))
   report.write_json(json_path, records)
