@@ -243,6 +243,9 @@ def plot(records: list[dict], path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
+  if any("half" in r for r in records):
+    _plot_halves(plt, records, path)
+    return
   groups = sorted({(r["shape"], r["dtype"], r["layout"]) for r in records})
   kernels = sorted({r["kernel"] for r in records})
   fig, ax = plt.subplots(figsize=(max(8, len(groups) * 1.4), 5))
@@ -257,6 +260,26 @@ def plot(records: list[dict], path: str) -> None:
   ax.set_ylabel("TFLOP/s")
   ax.set_title(f"matmul on {device_facts().name}")
   ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def _plot_halves(plt, records: list[dict], path: str) -> None:
+  """The models suite, one panel per half: each kernel's ratios to jnp.dot over the
+  half's problems, sorted (a bar per problem would be a plot hundreds of bars wide)."""
+  halves = [h for h in model_shapes.HALVES if any(r.get("half") == h for r in records)]
+  fig, axes = plt.subplots(1, len(halves), figsize=(7 * len(halves), 4.5), squeeze=False)
+  for ax, half in zip(axes[0], halves, strict=True):
+    group = [r for r in records if r.get("half") == half and "ratio_to_dot" in r]
+    for kernel in sorted({r["kernel"] for r in group} - {"jnp.dot"}):
+      ratios = sorted(r["ratio_to_dot"] for r in group if r["kernel"] == kernel)
+      ax.plot(range(len(ratios)), ratios, marker=".", label=kernel)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.axhline(SLOW_RATIO, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("problems (both dtypes), sorted by ratio")
+    ax.set_ylabel("ratio to jnp.dot (above 1: faster)")
+    ax.set_title(f"{half} half, {device_facts().name}")
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 

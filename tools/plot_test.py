@@ -62,6 +62,12 @@ class PlotTest(absltest.TestCase):
     report.write_plot(bench_matmul.plot, matmul_records(), path)
     self.assert_png(path)
 
+  def test_models_suite_plot_is_a_panel_per_half(self):
+    records = [dict(r, half=half) for half in ("fit", "check") for r in matmul_records()]
+    path = os.path.join(self.create_tempdir().full_path, "matmul_bench.png")
+    report.write_plot(bench_matmul.plot, records, path)
+    self.assert_png(path)
+
   def test_allgather_matmul_plot(self):
     path = os.path.join(self.create_tempdir().full_path, "allgather_matmul_bench.png")
     report.write_plot(_import_benchmark("bench_allgather_matmul").plot, allgather_rows(), path)
