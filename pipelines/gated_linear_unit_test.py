@@ -168,6 +168,18 @@ class GatedLinearUnitTest(testing.KernelTestCase):
     self.assertEqual(base.kernel_output_shapes(lambda *a: jax.vjp(forward, *a)[0], x[:64], fused),
                      [[(64, 192)] * 3])
 
+  @parameterized.parameters(320, 328, 336, 100)
+  def test_fused_weight_of_any_n_lowers_for_the_gpu(self, n):
+    """A fused (K, 2, N) weight whose halves' rows are off 128 bytes (N = 328,
+    336, 100) lowers, as halves copied apart; N = 320 is read in place. Once
+    Mosaic GPU failed to infer the layouts of such in-place views."""
+    x = jax.ShapeDtypeStruct((72, 128), jnp.bfloat16)  # Shapes no other test traces.
+    w = jax.ShapeDtypeStruct((128, 2, n), jnp.bfloat16)
+    with interpret.interpret_disabled():
+      text = jax.jit(functools.partial(gated_linear_unit, config=SMALL)).trace(x, w).lower(
+          lowering_platforms=("cuda",)).as_text()
+    self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1)
+
   def test_grad_of_grad(self):
     x = testing.random_array(22, (64, 64), jnp.bfloat16)
     w_gate, w_up = weights(23, 64, 64)

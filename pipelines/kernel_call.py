@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import SmemBudget, compiler_params, device_facts, interpret_params
-from core.memory import swizzle_bytes
+from core.memory import SWIZZLE_BYTES, swizzle_bytes
 from core.varying import vary_over, varying_axes, varying_kernel
 from pipelines import operands
 from pipelines.config import (
@@ -297,10 +297,15 @@ def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | Non
     zeros = empty_result(problem, out_dtype, (lhs, gate_rhs))
     return (zeros, zeros, zeros) if keep_products else zeros
   sizes = ws_tma_sizes(config, problem, out_dtype)
-  if fused and (sizes.rhs != gate_shape or n * gate_rhs.dtype.itemsize % 16):
+  if fused and (sizes.rhs != gate_shape or n * gate_rhs.dtype.itemsize % max(SWIZZLE_BYTES)):
     # The fused view cannot be padded in place, and TMA needs its up half
     # (at column N) to start on 16 bytes: pad the two halves apart, which
-    # copies them as any padding does.
+    # copies them as any padding does. So are halves whose rows are off
+    # 128 bytes: their tiles would take a narrower swizzle, and Mosaic GPU
+    # (jax 0.11.2) fails to infer the layouts of such views ("Failed to
+    # infer a possible set of layouts"), where two separate arrays of the
+    # same shape lower. Model widths (N = 8192, 14336, 18944, ...) are
+    # multiples of 64 and read in place.
     gate_rhs, up_rhs = gate_rhs[:, :n], gate_rhs[:, n:]
     fused = False
   if fused:  # Read in place.
