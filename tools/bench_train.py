@@ -25,9 +25,7 @@ The implementations, timed in the same process, taking turns:
            approximate=True)`, `jax.nn.silu`), differentiated by XLA's autodiff;
   ours     `pipelines.matmul` (fused bias and activation, a custom VJP) and
            `pipelines.gated_linear_unit`; the block is
-           `matmul(gated_linear_unit(x, w_gate, w_up), w_down)`. Until
-           `pipelines` has `gated_linear_unit`, glu and mlp are skipped for ours
-           with a note;
+           `matmul(gated_linear_unit(x, w_gate, w_up), w_down)`;
   tokamax  `tokamax.gated_linear_unit(x, w (K, 2, N), implementation="mosaic")`
            for glu and mlp (its down projection is `jnp.dot`), where tokamax
            imports (it is not in the lock files: put it on PYTHONPATH, see
@@ -255,17 +253,14 @@ class Implementation:
   unpack_grads: Callable[[tuple], tuple] = lambda grads: grads
 
 
-def _ours(kind: str, activation: str) -> Implementation | str:
-  """Ours, or why it is skipped."""
+def _ours(kind: str, activation: str) -> Implementation:
+  """Ours."""
   if kind in ("linear", "bias"):
     fn = (pipelines.matmul if kind == "linear"
           else functools.partial(pipelines.matmul, activation=activation))
     return Implementation(fn, "pipelines.matmul" + ("" if kind == "linear" else
                                                     f"(activation={activation!r})"))
-  glu = getattr(pipelines, "gated_linear_unit", None)
-  if glu is None:
-    return "pipelines has no gated_linear_unit yet"
-  glu = functools.partial(glu, activation=activation)
+  glu = functools.partial(pipelines.gated_linear_unit, activation=activation)
   if kind == "glu":
     return Implementation(glu, f"pipelines.gated_linear_unit(activation={activation!r})")
   return Implementation(lambda x, w_gate, w_up, w_down: pipelines.matmul(glu(x, w_gate, w_up),

@@ -10,6 +10,7 @@ Mosaic GPU interpret mode on CPU, race detection on; on a Hopper GPU for the
 import json
 import math
 import os
+import sys
 from unittest import mock
 
 from absl.testing import absltest, flagsaver
@@ -104,18 +105,20 @@ class BenchTrainTest(testing.KernelTestCase):
 
 class SkipTest(absltest.TestCase):
 
-  def test_gated_layers_skip_ours_without_gated_linear_unit(self):
+  def test_a_peer_that_does_not_import_is_skipped_with_a_note(self):
     size = bench_train.parse_size("tiny@128")
-    with mock.patch.dict(pipelines.__dict__), \
+    # None in sys.modules makes `import tokamax` raise ImportError.
+    with mock.patch.dict(sys.modules, {"tokamax": None}), \
         mock.patch.object(bench_train, "measure_calls", FakeCupti()):
-      pipelines.__dict__.pop("gated_linear_unit", None)
       records, notes = bench_train.bench_layer(
-          bench_train.parse_layer("glu"), size, impl_names=["xla", "ours"],
+          bench_train.parse_layer("glu"), size, impl_names=["xla", "tokamax"],
           pass_names=["forward"], iterations=1, rounds=1)
     by_impl = {r["impl"]: r for r in records}
-    self.assertIn("gated_linear_unit", by_impl["ours"]["skipped"])
+    self.assertIn("tokamax is not importable", by_impl["tokamax"]["skipped"])
     self.assertIn("rel_error", by_impl["xla"])
-    self.assertEqual(notes, ["glu tiny@128: ours skipped: pipelines has no gated_linear_unit yet"])
+    self.assertLen(notes, 1)
+    self.assertTrue(notes[0].startswith("glu tiny@128: tokamax skipped: tokamax is not "
+                                        "importable (ModuleNotFoundError"), notes)
 
   def test_parsing(self):
     self.assertEqual(bench_train.parse_size("qwen2.5-7b@8192").model.intermediate, 18944)
