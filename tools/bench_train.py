@@ -95,13 +95,16 @@ MODELS = {
     "tiny": Model("tiny (smoke test)", 128, 256, "silu"),
 }
 # Four prefill sizes and two small token counts (a decode batch, a short
-# fine-tuning micro-batch). Chosen for a full default run of about four minutes
-# on one H200, an estimate (not yet measured) from bench_matmul's recorded compile
-# and kernel times. Most of it is compiling, about 300 programs (per layer, size
-# and implementation the three passes and the backward's residuals), which share
-# their kernels: Mosaic GPU compiles each kernel once per process (keyed by its
-# hash) and XLA autotunes each GEMM once. `elapsed_s` in the JSON says where the
-# time went.
+# fine-tuning micro-batch). Measured on one H200 (2026-12-02,
+# perf/2026-12-02-h200-train-bench.json): 268 s for the five layers at four of
+# these sizes with two passes, 10 iterations and 2 rounds, 16 s a layer and size,
+# the gated unit and the MLP block 23-27 s each. So the full default run (three
+# passes, 20 iterations, 3 rounds) takes well over ten minutes: where a run must
+# fit a time limit, give each run two or three of the sizes (`--sizes`). Most of it
+# is compiling, about 300 programs (per layer, size and implementation the three
+# passes and the backward's residuals), which share their kernels: Mosaic GPU
+# compiles each kernel once per process (keyed by its hash) and XLA autotunes each
+# GEMM once. `elapsed_s` in the JSON says where the time went.
 DEFAULT_SIZES = ("llama3-8b@8192", "qwen2.5-7b@8192", "gemma2-9b@8192", "llama3.2-1b@16384",
                  "llama3-70b@256", "qwen2.5-14b@512")
 QUICK_SIZES = ("tiny@128",)
