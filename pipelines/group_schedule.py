@@ -1,0 +1,74 @@
+"""Which rows each M tile of a grouped matmul (`ragged_dot`) covers, from the group sizes.
+
+`jax.lax.ragged_dot(lhs (M, K), rhs (G, K, N), group_sizes (G,))` multiplies
+the rows of group g (consecutive, in order) by rhs[g]. A kernel for it must
+never let one tile of rows mix two groups' weights, and the group sizes are
+data (a router's output), so the tiles cannot be fixed at trace time without
+recompiling per routing. This module lays the tiles out on the device: each
+group's rows are cut into tiles of `tile_m` rows from the group's first row,
+so only a group's last tile is partial, and the rows past the groups (where
+the sizes sum to less than M) form one more group, whose tiles the kernel
+fills with zeros. Their count is at most `max_group_tiles(m, G, tile_m)`, a
+static bound, so the table has static shapes: a few small XLA ops before the
+kernel, which reads its entry per work item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupTiles:
+  """The row tiles of a grouped matmul, `max_group_tiles(...)` entries each.
+
+  Attributes:
+    group: (T,) int32, the group whose weights entry t multiplies; G for the
+      rows past the groups (zeros), and for the entries past the last tile.
+    row_start: (T,) int32, the tile's first row of lhs and of the output (M or
+      more for the entries past the last tile).
+    rows: (T,) int32, how many rows from `row_start` the tile owns (1 to
+      tile_m; 0 for the entries past the last tile, which do nothing).
+  """
+
+  group: jax.Array
+  row_start: jax.Array
+  rows: jax.Array
+
+
+def max_group_tiles(m: int, num_groups: int, tile_m: int) -> int:
+  """A bound on the tiles `group_tiles` lays out for any group sizes.
+
+  Cutting M rows into tiles of tile_m gives cdiv(M, tile_m) tiles; each
+  boundary between the G groups and the rows past them adds at most one
+  partial tile.
+  """
+  return -(-m // tile_m) + num_groups
+
+
+def group_tiles(group_sizes: jax.Array, m: int, tile_m: int) -> GroupTiles:
+  """The row tiles of `m` rows grouped by `group_sizes` (G,), on the device.
+
+  Sizes are taken as int32 and negative ones as 0; where they sum to more than
+  `m`, the groups are cut at row m (the rows that do not exist are dropped
+  from the last groups), as nothing past M can be read or written.
+  """
+  if group_sizes.ndim != 1:
+    raise ValueError(f"group_sizes must be 1-D (G,), got shape {group_sizes.shape}")
+  num_groups = group_sizes.shape[0]
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+  # The rows past the groups, as group G.
+  ends = jnp.append(ends, jnp.int32(m))
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  tiles = -(-(ends - starts) // tile_m)
+  tiles_end = jnp.cumsum(tiles)
+  t = jnp.arange(max_group_tiles(m, num_groups, tile_m), dtype=jnp.int32)
+  # The group of entry t: the first whose tiles end past t (G for the rest).
+  group = jnp.minimum(jnp.searchsorted(tiles_end, t, side="right"), num_groups)
+  row_start = starts[group] + (t - (tiles_end[group] - tiles[group])) * tile_m
+  rows = jnp.clip(ends[group] - row_start, 0, tile_m)
+  return GroupTiles(group=group.astype(jnp.int32), row_start=row_start.astype(jnp.int32),
+                    rows=rows.astype(jnp.int32))

@@ -1,0 +1,73 @@
+"""`group_tiles` against a row-by-row account of which group owns each row."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from pipelines.group_schedule import group_tiles, max_group_tiles
+
+TILE_M = 64
+
+
+def owners(group_sizes, m):
+  """The group of each of m rows (len(group_sizes) past the groups), row by row."""
+  owner, row = np.full(m, len(group_sizes)), 0
+  for g, size in enumerate(group_sizes):
+    take = max(0, min(size, m - row))
+    owner[row:row + take] = g
+    row += take
+  return owner
+
+
+class GroupTilesTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("uneven", [100, 3, 0, 64, 129], 296),
+      ("empty_groups", [0, 0, 200, 0], 200),
+      ("one_group_holds_every_row", [0, 300, 0], 300),
+      ("single_rows", [1, 1, 1, 1, 1], 5),
+      ("rows_past_the_groups", [10, 20], 500),
+      ("sizes_past_m", [100, 100, 100], 150),
+      ("negative_size", [-5, 40], 40),
+      ("tile_multiples", [64, 128, 64], 256),
+      ("no_rows", [0, 0], 0),
+  )
+  def test_every_row_once_and_no_tile_mixes_groups(self, group_sizes, m):
+    tiles = group_tiles(jnp.array(group_sizes, jnp.int32), m, TILE_M)
+    group, start, rows = (np.asarray(a) for a in (tiles.group, tiles.row_start, tiles.rows))
+    self.assertEqual(group.shape, (max_group_tiles(m, len(group_sizes), TILE_M),))
+    covered = np.zeros(m, int)
+    want = owners(group_sizes, m)
+    for g, s, r in zip(group, start, rows, strict=True):
+      self.assertBetween(r, 0, TILE_M)
+      if r:
+        covered[s:s + r] += 1
+        np.testing.assert_array_equal(want[s:s + r], g, f"tile at row {s} of {r} rows")
+    np.testing.assert_array_equal(covered, 1)
+    # The used entries come first, and only a group's last tile is partial.
+    used = rows > 0
+    self.assertTrue(used[:used.sum()].all(), rows)
+    for g in np.unique(group[used]):
+      mine = rows[used & (group == g)]
+      self.assertTrue(np.all(mine[:-1] == TILE_M), f"group {g}: {mine}")
+
+  def test_one_program_for_every_routing(self):
+    traces = []
+
+    @jax.jit
+    def tiles(group_sizes):
+      traces.append(None)
+      return group_tiles(group_sizes, 256, TILE_M).rows
+
+    for sizes in ([256, 0, 0], [1, 2, 253], [0, 0, 0]):
+      tiles(jnp.array(sizes, jnp.int32))
+    self.assertLen(traces, 1)
+
+  def test_group_sizes_must_be_a_vector(self):
+    with self.assertRaisesRegex(ValueError, r"group_sizes must be 1-D \(G,\)"):
+      group_tiles(jnp.ones((2, 2), jnp.int32), 8, TILE_M)
+
+
+if __name__ == "__main__":
+  absltest.main()
