@@ -111,11 +111,17 @@ def _split_gate_up(h, dtype):
   return (jax.nn.silu(gate) * up).astype(dtype)
 
 
+def gated_kernel_runs_up_projection(num_devices: int, implementation: str) -> bool:
+  """Whether the gated block's up projection is the fused gated kernel: on one
+  device (nothing to gather) unless `implementation` asks for a ring."""
+  return num_devices == 1 and IMPLEMENTATIONS[implementation][0] in ("auto", "local")
+
+
 def collective_gated_block(x, w13, w2, *, implementation: str):
   all_gather_impl, reduce_scatter_impl = IMPLEMENTATIONS[implementation]
-  if lax.axis_size(AXIS) == 1 and all_gather_impl in ("auto", "local"):
-    # Nothing to gather: the fused gated kernel reads each x tile once for
-    # both products and writes h alone.
+  if gated_kernel_runs_up_projection(lax.axis_size(AXIS), implementation):
+    # The fused gated kernel reads each x tile once for both products and
+    # writes h alone.
     # [gate | up] columns are the (K, 2, N) fused weight, reshaped in place.
     h = pipelines.gated_linear_unit(x, w13.reshape(w13.shape[0], 2, -1), activation="silu")
   else:
@@ -202,7 +208,7 @@ def implementation_labels(block: str, num_devices: int, shape: Shape, dtype,
   all_gather_impl, reduce_scatter_impl = IMPLEMENTATIONS[implementation]
   dtype = jnp.dtype(dtype)
   up_columns = 2 * shape.ffn_shard if block == "gated" else shape.ffn_shard
-  if block == "gated" and num_devices == 1 and all_gather_impl in ("auto", "local"):
+  if block == "gated" and gated_kernel_runs_up_projection(num_devices, implementation):
     up = "gated_linear_unit"
   else:
     up = collectives.choose_implementation(
@@ -215,10 +221,14 @@ def implementation_labels(block: str, num_devices: int, shape: Shape, dtype,
   return f"{up} / {reduce_scatter.implementation.value}"
 
 
+def on_gpus(mesh) -> bool:
+  return mesh.devices.flat[0].platform == "gpu"
+
+
 def time_step(name: str, step, args, mesh, iterations: int):
   """(timing, output) of `step(*args)`: CUPTI on GPUs, the mean over this process's devices of
   the mesh; wall clock elsewhere, one blocking call per sample."""
-  if mesh.devices.flat[0].platform != "gpu":
+  if not on_gpus(mesh):
     return timing.time_wall(name, step, args, flops=0, iterations=iterations)
   local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
   return timing.time_gpu(name, step, args, flops=0, iterations=iterations, num_devices=local)
@@ -248,7 +258,7 @@ def run_row(num_devices: int, shape: Shape, *, block: str = "gated", dtype=jnp.b
   return dict(devices=num_devices, block=block, implementation=implementation_labels(
                   block, num_devices, shape, dtype, implementation),
               loss=float(loss), step_ms=ours_ms, xla_step_ms=xla_ms,
-              gpu_time=mesh.devices.flat[0].platform == "gpu", errors=errors,
+              gpu_time=on_gpus(mesh), errors=errors,
               tolerance=tol, agree=all(e <= tol for e in errors.values()))
 
 
