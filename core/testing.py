@@ -155,6 +155,24 @@ class KernelTestCase(parameterized.TestCase):
 
 
 
+def lowered_for_gpu(fn, *args) -> str:
+  """The StableHLO of `jax.jit(fn)(*args)` lowered for CUDA (works without a GPU)."""
+  # A kernel keeps the interpret mode it was first traced with, and jax's
+  # caches reuse a trace for the same shapes: clearing them on both sides
+  # keeps this lowering and the interpreted runs of other tests apart.
+  jax.clear_caches()
+  try:
+    with interpret.interpret_disabled():
+      return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  finally:
+    jax.clear_caches()
+
+
+def mosaic_kernel_count(lowered_text: str) -> int:
+  """The Mosaic GPU kernels in a lowered program's text (`lowered_for_gpu`)."""
+  return lowered_text.count("stablehlo.custom_call @mosaic_gpu")
+
+
 def mosaic_smem_bytes(fn, *args) -> int:
   """The SMEM bytes Mosaic GPU itself allocates for the kernel `fn(*args)`.
 

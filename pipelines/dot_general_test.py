@@ -19,7 +19,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 from jax import lax
 
-from core import interpret, testing
+from core import testing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
 from pipelines import dot_general
 from pipelines import matmul_test_base as base
@@ -41,23 +41,6 @@ def reference(lhs, rhs, dimension_numbers):
   """The float32 product of the same operands."""
   return lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), dimension_numbers,
                          precision=lax.Precision.HIGHEST)
-
-
-def lowered_for_gpu(fn, *args) -> str:
-  """The StableHLO of `jax.jit(fn)(*args)` lowered for CUDA (works without a GPU)."""
-  # A kernel keeps the interpret mode it was first traced with, and jax's
-  # caches reuse a trace for the same shapes: clearing them on both sides
-  # keeps this lowering and the interpreted runs of other tests apart.
-  jax.clear_caches()
-  try:
-    with interpret.interpret_disabled():
-      return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  finally:
-    jax.clear_caches()
-
-
-def mosaic_kernel_count(text: str) -> int:
-  return text.count("stablehlo.custom_call @mosaic_gpu")
 
 
 class DotGeneralTestCase(testing.KernelTestCase):
@@ -125,8 +108,8 @@ class KernelCallTest(DotGeneralTestCase):
     lhs = testing.random_array(7, (2, 32, K), jnp.bfloat16)
     rhs = testing.random_array(8, (N, K) if transpose_rhs else (K, N), jnp.bfloat16)
     dimension_numbers = dense(3, transpose_rhs=transpose_rhs)
-    text = lowered_for_gpu(lambda x, w: dot_general(x, w, dimension_numbers), lhs, rhs)
-    self.assertEqual(mosaic_kernel_count(text), 1)
+    text = testing.lowered_for_gpu(lambda x, w: dot_general(x, w, dimension_numbers), lhs, rhs)
+    self.assertEqual(testing.mosaic_kernel_count(text), 1)
     self.assertNotIn("stablehlo.dot_general", text)
     # The (N, K) weight is read as stored and the leading dimensions fold in place.
     self.assertNotIn("stablehlo.transpose", text)
@@ -265,9 +248,9 @@ class FlaxTrainingTest(DotGeneralTestCase):
       def loss(params, graphdef=graphdef):
         return mse(nnx.merge(graphdef, params), x, target)
 
-      text = lowered_for_gpu(jax.value_and_grad(loss), params)
+      text = testing.lowered_for_gpu(jax.value_and_grad(loss), params)
       with self.subTest(dot_general=name):
-        self.assertEqual(mosaic_kernel_count(text), kernels)
+        self.assertEqual(testing.mosaic_kernel_count(text), kernels)
         self.assertEqual("stablehlo.dot_general" in text, kernels == 0)
 
   def test_trains_like_the_model_on_lax(self):

@@ -15,7 +15,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import simulator
-from core import interpret, testing
+from core import testing
 from core.numerics import RELATIVE_TOLERANCE, elementwise_violations, relative_error
 from pipelines import MatmulDimension, Schedule, TuningConfig, gated_linear_unit, operands
 from pipelines import matmul_test_base as base
@@ -158,11 +158,10 @@ class GatedLinearUnitTest(testing.KernelTestCase):
     self.assertEqual(base.kernel_output_shapes(forward, x, w_gate, w_up), [[(128, 192)]])
     for ws, backward_kernels in (((w_gate, w_up), 4), ((fused,), 2)):
       with self.subTest(fused=len(ws) == 1):
-        step = jax.jit(jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)),
-                                argnums=tuple(range(1 + len(ws)))))
-        with interpret.interpret_disabled():
-          text = step.trace(x, *ws).lower(lowering_platforms=("cuda",)).as_text()
-        self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1 + backward_kernels)
+        step = jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)),
+                        argnums=tuple(range(1 + len(ws))))
+        text = testing.lowered_for_gpu(step, x, *ws)
+        self.assertEqual(testing.mosaic_kernel_count(text), 1 + backward_kernels)
         self.assertNotIn("stablehlo.transpose", text)
     # Traced kernels are cached by shape: a new one, so that this one traces.
     self.assertEqual(base.kernel_output_shapes(lambda *a: jax.vjp(forward, *a)[0], x[:64], fused),
@@ -175,10 +174,8 @@ class GatedLinearUnitTest(testing.KernelTestCase):
     Mosaic GPU failed to infer the layouts of such in-place views."""
     x = jax.ShapeDtypeStruct((72, 128), jnp.bfloat16)  # Shapes no other test traces.
     w = jax.ShapeDtypeStruct((128, 2, n), jnp.bfloat16)
-    with interpret.interpret_disabled():
-      text = jax.jit(functools.partial(gated_linear_unit, config=SMALL)).trace(x, w).lower(
-          lowering_platforms=("cuda",)).as_text()
-    self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1)
+    text = testing.lowered_for_gpu(functools.partial(gated_linear_unit, config=SMALL), x, w)
+    self.assertEqual(testing.mosaic_kernel_count(text), 1)
 
   def test_grad_of_grad(self):
     x = testing.random_array(22, (64, 64), jnp.bfloat16)
