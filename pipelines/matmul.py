@@ -174,8 +174,11 @@ def _backward(epilogue: Epilogue, layout: operands.OperandLayout, residuals, out
     g = g * epilogue.derivative(saved.astype(jnp.float32))
   if pre_activation_cotangent is not None:
     g = g + pre_activation_cotangent.astype(jnp.float32)
-  d_bias = None if bias is None else g.sum(axis=0).astype(bias.dtype)
   g = g.astype(lhs.dtype)
+  # d bias sums the rounded cotangent that the products also take (in
+  # float32), as XLA's autodiff of the same model does: summing the float32
+  # one instead makes XLA write it out and read it back in a second pass.
+  d_bias = None if bias is None else g.astype(jnp.float32).sum(axis=0).astype(bias.dtype)
   cotangents = (*operand_cotangents(lhs, rhs, g, layout), d_bias)
   return tuple(None if ct is None else cotangent_like(ct, primal)
                for ct, primal in zip(cotangents, (lhs, rhs, bias), strict=True))

@@ -341,6 +341,8 @@ def main(argv):
   layouts = [OperandLayout(transpose_lhs=name[0] == "T", transpose_rhs=name[1] == "T")
              for name in _LAYOUTS.value]
   shapes = [cli.parse_shape(shape) for shape in _SHAPES.value or ()]
+  json_path, png_path = (os.path.join(out_dir, name)
+                         for name in ("matmul_bench.json", "matmul_bench.png"))
   for (m, k, n), problem_layouts, tags in problem_list(_SUITE.value, layouts, shapes=shapes,
                                                        half=_HALF.value):
     for dtype in _DTYPES.value:
@@ -348,6 +350,9 @@ def main(argv):
         records += [dict(r, **tags) for r in bench_problem(m, k, n, jnp.dtype(dtype), layout)]
       if _BACKWARD.value:
         records += [dict(r, **tags) for r in bench_backward(m, k, n, jnp.dtype(dtype))]
+    # Written after each problem, so a run stopped early (a time limit) keeps
+    # what it measured.
+    report.write_json(json_path, records)
   columns = ["shape", "dtype", "layout", "kernel", "median_us", "tflops", "ratio_to_dot",
              "ratio_min", "ratio_max", "rel_error", "error"]
   if _SUSTAIN_S.value:
@@ -358,8 +363,6 @@ def main(argv):
                       for r in records], columns)
   for line in ratio_summary(records):
     print(line)
-  json_path, png_path = (os.path.join(out_dir, name)
-                         for name in ("matmul_bench.json", "matmul_bench.png"))
   report.write_json(json_path, records)
   report.write_plot(plot, records, png_path)
   cli.say_written([json_path, png_path])
