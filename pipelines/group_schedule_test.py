@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from pipelines.group_schedule import group_tiles, max_group_tiles
+from pipelines.group_schedule import ROW_ALIGNMENT, group_tiles, max_group_tiles
 
 TILE_M = 64
 
@@ -32,6 +32,7 @@ class GroupTilesTest(parameterized.TestCase):
       ("negative_size", [-5, 40], 40),
       ("tile_multiples", [64, 128, 64], 256),
       ("no_rows", [0, 0], 0),
+      ("starts_off_8_rows", [3, 61, 70, 5, 1], 140),
   )
   def test_every_row_once_and_no_tile_mixes_groups(self, group_sizes, m):
     tiles = group_tiles(jnp.array(group_sizes, jnp.int32), m, TILE_M)
@@ -45,12 +46,15 @@ class GroupTilesTest(parameterized.TestCase):
         covered[s:s + r] += 1
         np.testing.assert_array_equal(want[s:s + r], g, f"tile at row {s} of {r} rows")
     np.testing.assert_array_equal(covered, 1)
-    # The used entries come first, and only a group's last tile is partial.
+    # The used entries come first; each tile lies in a window of TILE_M rows
+    # from a multiple of 8, and a group's tiles are consecutive windows.
     used = rows > 0
     self.assertTrue(used[:used.sum()].all(), rows)
+    window = start - start % ROW_ALIGNMENT
+    self.assertTrue(np.all(start[used] + rows[used] <= window[used] + TILE_M))
     for g in np.unique(group[used]):
-      mine = rows[used & (group == g)]
-      self.assertTrue(np.all(mine[:-1] == TILE_M), f"group {g}: {mine}")
+      mine = window[used & (group == g)]
+      np.testing.assert_array_equal(np.diff(mine), TILE_M, f"group {g}: {mine}")
 
   def test_one_program_for_every_routing(self):
     traces = []
@@ -63,6 +67,10 @@ class GroupTilesTest(parameterized.TestCase):
     for sizes in ([256, 0, 0], [1, 2, 253], [0, 0, 0]):
       tiles(jnp.array(sizes, jnp.int32))
     self.assertLen(traces, 1)
+
+  def test_tile_m_must_be_whole_windows(self):
+    with self.assertRaisesRegex(ValueError, r"tile_m=60 must be a multiple of 8"):
+      group_tiles(jnp.ones((2,), jnp.int32), 8, 60)
 
   def test_group_sizes_must_be_a_vector(self):
     with self.assertRaisesRegex(ValueError, r"group_sizes must be 1-D \(G,\)"):
