@@ -30,6 +30,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -43,6 +44,7 @@ from pipelines.config import (
   operand_swizzle,
 )
 from pipelines.epilogue import Epilogue, epilogue_scratch, output_swizzle, store_epilogue
+from pipelines.group_schedule import ROW_ALIGNMENT, GroupTiles
 from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import (
   CLUSTER_AXIS,
@@ -105,7 +107,7 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: 
 def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool,
                         delay_release: int = 0, layout: OperandLayout = NN,
                         swizzle: int | None = None, out_swizzle: int | None = None,
-                        gated: bool = False) -> dict:
+                        gated: bool = False, grouped: bool = False) -> dict:
   """The SMEM `emit_cooperative_matmul` allocates for K = `k`, by name.
 
   The kernel allocates exactly this (`pl.run_scoped(**...)`), and
@@ -115,7 +117,8 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
   `swizzle` and `out_swizzle` (bytes) lay out the operand and output tiles;
   by default the widest their rows allow (sizes do not depend on them).
   `gated`: the pipeline carries a second RHS (`emit_cooperative_matmul`'s
-  `up_gmem`).
+  `up_gmem`). `grouped`: the epilogue stores tiles of any number of rows
+  (`emit_cooperative_matmul`'s `group_tiles`).
   """
   num_rhs = 2 if gated else 1
   k_steps = pl.cdiv(k // config.k_splits, config.tile_k)
@@ -130,7 +133,8 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
       pipeline_allocs=_operand_pipeline(config, dtype, k_steps, delay_release, layout, ignore,
                                         ignore, swizzle, num_rhs).get_allocations(*shapes),
       **epilogue_scratch(config, config.store_dtype(out_dtype),
-                         has_bias=has_bias and config.fuses_epilogue, swizzle=out_swizzle),
+                         has_bias=has_bias and config.fuses_epilogue, swizzle=out_swizzle,
+                         partial_rows=grouped),
   )
   if delay_release:
     # The pipeline never waits for the release of a tile's last
@@ -146,7 +150,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             pipeline_callback: PipelineCallback | None = None,
                             delay_release: int = 0, layout: OperandLayout = NN,
                             addend_gmem=None, pre_activation_gmem=None, up_gmem=None,
-                            up_product_gmem=None) -> None:
+                            up_product_gmem=None, group_tiles: GroupTiles | None = None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   With `up_gmem`, the gated unit instead: `out_gmem = epilogue(lhs_gmem @
@@ -195,6 +199,13 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       `kernel_call.ws_gated_matmul`).
     up_product_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also receives
       `lhs_gmem @ up_gmem` (for a backward pass).
+    group_tiles: for a grouped matmul (`ragged_dot`), its row tiles
+      (`group_schedule.group_tiles` for tile_m = `config.cta_tile_m`) as
+      (T,) int32 GMEM refs, or None. `rhs_gmem` then holds G weights, (G, K,
+      N) or (G, N, K), and the work items are (entry, N tile): entry t
+      multiplies the `rows[t]` rows from `row_start[t]` by weight
+      `group[t]`, stores only those rows, and stores zeros for group G (the
+      rows past the groups). Needs cluster_m = 1 and k_splits = 1.
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
@@ -212,8 +223,15 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                        or pre_activation_gmem is not None or gated):
     raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation, "
                      "addend, pre-activation and pipeline_callback belong to the caller")
+  grouped = group_tiles is not None
+  if grouped and (config.cluster_m != 1 or k_splits != 1 or gated or layout.transpose_lhs
+                  or pipeline_callback is not None or addend_gmem is not None):
+    raise ValueError(f"a grouped matmul (group_tiles) needs cluster_m=1, k_splits=1, an (M, K) "
+                     f"LHS and no gate, pipeline_callback or addend; got {config!r}, {layout=}")
   k, m = lhs_gmem.shape if layout.transpose_lhs else lhs_gmem.shape[::-1]
-  n = rhs_gmem.shape[0] if layout.transpose_rhs else rhs_gmem.shape[1]
+  # One weight's (K, N) or (N, K), for a grouped matmul's (G, ...) stack of them.
+  rhs_shape = rhs_gmem.shape[1:] if grouped else rhs_gmem.shape
+  n = rhs_shape[0] if layout.transpose_rhs else rhs_shape[1]
   if addend_gmem is not None and (addend_gmem.shape != (m, n) or m % config.cta_tile_m
                                   or n % config.cta_tile_n):
     raise ValueError(f"addend_gmem must be (M, N)=({m}, {n}) with M and N multiples of the CTA "
@@ -223,21 +241,23 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   tile_m, tile_n = config.tile_m, config.tile_n
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
   split_k = k // k_splits  # The K range of one block's share of a tile.
-  m_tiles = pl.cdiv(m, cta_m)
+  m_tiles = group_tiles.group.shape[0] if grouped else pl.cdiv(m, cta_m)
   # A last partial K step reads past the arrays' end: TMA fills it with zeros.
   k_steps = pl.cdiv(split_k, config.tile_k)
   num_rhs = 2 if gated else 1
-  swizzle = operand_swizzle(config, lhs_gmem, rhs_gmem, transpose_lhs=layout.transpose_lhs,
-                            transpose_rhs=layout.transpose_rhs)
+  swizzle = operand_swizzle(config, lhs_gmem, rhs_gmem.at[0] if grouped else rhs_gmem,
+                            transpose_lhs=layout.transpose_lhs, transpose_rhs=layout.transpose_rhs)
   # One allocation serves every output tile, so no scoped allocation (a
   # block-wide sync) sits in the tile loop.
   scratch = cooperative_scratch(config, dtype, out_gmem.dtype, k=k,
                                 has_bias=bias_gmem is not None, delay_release=delay_release,
                                 layout=layout, swizzle=swizzle,
-                                out_swizzle=output_swizzle(config, out_gmem), gated=gated)
+                                out_swizzle=output_swizzle(config, out_gmem), gated=gated,
+                                grouped=grouped)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
-  def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None):
+  def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None,
+             rows_smem=None):
     wg = lax.axis_index(WG_AXIS)
 
     def work_item(split, m_tile, n_tile, _):
@@ -245,7 +265,24 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       # runs the K loop, since the multicast loads need both blocks, on LHS
       # rows that TMA fills with zeros, and stores nothing.
       stores = m_tile < m_tiles if config.cluster_m > 1 else None
-      cta_m_slice = pl.ds(m_tile * cta_m, cta_m)
+      if grouped:
+        # Entry m_tile of the grouped matmul's table: its weight, its
+        # window of rows (on 8 rows, as tiled copies need) and the rows of it
+        # that it owns. The window's other rows belong to other groups, or
+        # lie past M where TMA reads zeros: they are computed, not stored.
+        group, tile_rows = group_tiles.group[m_tile], group_tiles.rows[m_tile]
+        row_start = group_tiles.row_start[m_tile]
+        window = pl.multiple_of(row_start - row_start % ROW_ALIGNMENT, ROW_ALIGNMENT)
+        cta_m_slice = pl.ds(window, cta_m)
+        num_groups = rhs_gmem.shape[0]
+        item_rhs_gmem = rhs_gmem.at[jnp.minimum(group, num_groups - 1)]
+        first = row_start - window
+        wg_first = 0 if config.wg_dimension == MatmulDimension.N else wg * tile_m
+        wg_rows = tuple(jnp.clip(bound - wg_first, 0, tile_m)
+                        for bound in (first, first + tile_rows))
+      else:
+        cta_m_slice = pl.ds(m_tile * cta_m, cta_m)
+        item_rhs_gmem, wg_rows = rhs_gmem, None
       cta_n_slice = pl.ds(n_tile * cta_n, cta_n)
       k_slice = pl.ds(split * split_k, k_steps * config.tile_k)
       if config.wg_dimension == MatmulDimension.M:
@@ -316,11 +353,22 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
           def run_epilogue():
             with jax.named_scope("epilogue"):
               store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue,
-                             wg_addend, wg_pre_activation, up_blocks, wg_up_product)
+                             wg_addend, wg_pre_activation, up_blocks, wg_up_product,
+                             wg_rows, rows_smem)
           if stores is None:
             run_epilogue()
           else:
             pl.when(stores)(run_epilogue)
+
+      def store_zeros():
+        # The rows past a grouped matmul's groups: zeros in each output,
+        # without a K loop (a fresh accumulator holds zeros).
+        @functools.partial(pl.run_scoped, acc_refs=[
+            accumulator((tile_m, config.rhs_tile_width))] * config.rhs_tiles_per_wg)
+        def _zeros_scope(acc_refs):
+          store_epilogue([acc_ref[...] for acc_ref in acc_refs], wg, wg_out, out_smem, None,
+                         config, Epilogue(), None, wg_pre_activation, None, None, wg_rows,
+                         rows_smem)
 
       lhs_tiles = (lhs_gmem.at[k_slice, cta_m_slice] if layout.transpose_lhs
                    else lhs_gmem.at[cta_m_slice, k_slice])
@@ -328,13 +376,22 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
         return gmem.at[cta_n_slice, k_slice] if layout.transpose_rhs else gmem.at[k_slice,
                                                                                    cta_n_slice]
 
-      rhs_tiles = [rhs_tiles_of(rhs_gmem)] * config.rhs_tiles
+      rhs_tiles = [rhs_tiles_of(item_rhs_gmem)] * config.rhs_tiles
       if gated:
         rhs_tiles += [rhs_tiles_of(up_gmem)] * config.rhs_tiles
-      # Each RHS spec picks its tiles of the CTA's columns.
-      _operand_pipeline(config, dtype, k_steps, delay_release, layout, mma_step,
-                        compute_context, swizzle, num_rhs)(lhs_tiles, *rhs_tiles,
-                                                           allocations=pipeline_allocs)
+
+      def run_pipeline():
+        # Each RHS spec picks its tiles of the CTA's columns.
+        _operand_pipeline(config, dtype, k_steps, delay_release, layout, mma_step,
+                          compute_context, swizzle, num_rhs)(lhs_tiles, *rhs_tiles,
+                                                             allocations=pipeline_allocs)
+      if grouped:
+        # Every warpgroup takes the same branch, so the pipeline's barriers
+        # stay in step; entries past the table's last tile (no rows) do nothing.
+        pl.when((group < num_groups) & (tile_rows > 0))(run_pipeline)
+        pl.when((group == num_groups) & (tile_rows > 0) & (wg < NUM_COMPUTE_WGS))(store_zeros)
+      else:
+        run_pipeline()
       if tile_drained is not None:
         @pl.when(wg == NUM_COMPUTE_WGS)  # The memory warpgroup.
         def _wait_drained():

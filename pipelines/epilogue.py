@@ -92,26 +92,59 @@ def output_swizzle(config, out_gmem) -> int:
   return tma_swizzle((config.epi_tile_n,), (out_gmem.shape[-1],), out_gmem.dtype)
 
 
-def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None = None) -> dict:
+def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None = None,
+                     partial_rows: bool = False) -> dict:
   """The SMEM `store_epilogue` uses, for `pl.run_scoped(**...)` in a kernel.
 
   `out_smem`: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) staging
   tiles of `out_dtype`, swizzled (`swizzle` bytes, `output_swizzle`; by
   default the widest a row allows); with `has_bias` also `bias_smem`
   (2, tile_n) of `BIAS_DTYPE` and `bias_loaded`, one barrier per compute warpgroup for the
-  copy of its tile's bias into `bias_smem`.
+  copy of its tile's bias into `bias_smem`; with `partial_rows` also
+  `rows_smem`, (2, epi_tile_m, epi_tile_n) plain (unswizzled) staging tiles
+  for the sub-tiles of which only some rows are stored (`store_epilogue`'s
+  `rows`).
   """
   scratch = dict(out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
                                 config.epi_tile_n), out_dtype, swizzled=True, swizzle=swizzle))
   if has_bias:
     scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), BIAS_DTYPE)
     scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
+  if partial_rows:
+    scratch["rows_smem"] = smem((NUM_COMPUTE_WGS, config.epi_tile_m, config.epi_tile_n),
+                                out_dtype)
   return scratch
+
+
+def _store_rows(x, first: jax.Array, end: jax.Array, rows_smem, gmem_tile) -> None:
+  """Stores rows [first, end) of the sub-tile `x` (traced, 0 <= first < end
+  <= x.shape[0], not all of them) into the same rows of `gmem_tile`, leaving
+  its other rows untouched.
+
+  A TMA store writes a whole box of static shape, so the rows go out as a
+  ladder of boxes of 2^j rows, one for each bit set in their count (13 rows:
+  8, then 4, then 1). The boxes start at any row, which a swizzled tile
+  cannot be sliced at (it is copied in tiles of 8 rows), so `x` is staged in
+  a plain tile (`rows_smem`): slower to write, but only the sub-tiles at a
+  group's edges take this path.
+  """
+  # The previous ladder must be done reading `rows_smem`.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  rows_smem[...] = x.astype(rows_smem.dtype)
+  plgpu.commit_smem()
+  count, start = end - first, first
+  size = x.shape[0] // 2
+  while size:
+    @pl.when(count & size != 0)
+    def _store(size=size, start=start):
+      plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(start, size)], gmem_tile.at[pl.ds(start, size)])
+    start = start + (count & size)
+    size //= 2
 
 
 def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,
                    wg_addend=None, wg_pre_activation=None, up_blocks=None,
-                   wg_up_product=None) -> None:
+                   wg_up_product=None, row_range=None, rows_smem=None) -> None:
   """Applies `epilogue` to a compute warpgroup's accumulator and stores it with TMA.
 
   Runs in compute warpgroup `wg` of a matmul kernel, after its K loop.
@@ -143,6 +176,12 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
     wg_up_product: (tile_m, tile_n) GMEM ref of the output's dtype, or None:
       receives the up projection (for a backward pass), as
       `wg_pre_activation` receives the gate's pre-activation.
+    row_range: the rows [first, end) of the tile to store (traced int32, 0
+      <= first <= end <= tile_m), or None for all (TMA still masks those
+      past the array). The other rows belong to someone else (a grouped
+      matmul's other groups), so they are not written at all: the sub-tiles
+      that hold some of each go out through `rows_smem` (`epilogue_scratch`'s,
+      this warpgroup's), and those with none of the range are skipped.
   """
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
   n_sub = config.tile_n // epi_n
@@ -152,8 +191,24 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
   num_stores = (config.tile_m // epi_m) * n_sub * stores_per_sub_tile
   store = 0
 
-  def stage_and_store(x, gmem_tile):
+  def stage_and_store(x, gmem_tile, sub_tile_rows=None):
     nonlocal store
+    if sub_tile_rows is not None:
+      # Whole sub-tiles take the swizzled slots; one with some of its rows
+      # the ladder; one with none nothing. A skipped store leaves fewer
+      # stores in flight than the slot count assumes, which only makes the
+      # wait before reusing a slot stricter.
+      first, end = sub_tile_rows
+      whole = (first == 0) & (end == epi_m)
+
+      @pl.when(whole)
+      def _whole():
+        stage_and_store(x, gmem_tile)
+
+      @pl.when((end > first) & ~whole)
+      def _partial():
+        _store_rows(x, first, end, rows_smem.at[wg], gmem_tile)
+      return
     slot = store % slots
     # Before writing a slot, wait for the store that last read it. Within a
     # tile that is the store `slots` back, so all but the last `slots - 1`
@@ -171,6 +226,8 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
     store += 1
 
   for i in range(config.tile_m // epi_m):
+    sub_tile_rows = None if row_range is None else tuple(
+        jnp.clip(bound - i * epi_m, 0, epi_m) for bound in row_range)
     for j in range(n_sub):
       block, col = divmod(j * epi_n, block_n)
       x = acc_blocks[block][i * epi_m:(i + 1) * epi_m, col:col + epi_n]
@@ -187,11 +244,11 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
         x = x + lax.broadcast_in_dim(bias, x.shape, (1,))
       sub_tile = (pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n))
       if wg_pre_activation is not None:
-        stage_and_store(x, wg_pre_activation.at[sub_tile])
+        stage_and_store(x, wg_pre_activation.at[sub_tile], sub_tile_rows)
       x = epilogue.apply(x)
       if up_blocks is not None:
         up = up_blocks[block][i * epi_m:(i + 1) * epi_m, col:col + epi_n]
         if wg_up_product is not None:
-          stage_and_store(up, wg_up_product.at[sub_tile])
+          stage_and_store(up, wg_up_product.at[sub_tile], sub_tile_rows)
         x = x * up
-      stage_and_store(x, wg_out.at[sub_tile])
+      stage_and_store(x, wg_out.at[sub_tile], sub_tile_rows)

@@ -42,6 +42,7 @@ from pipelines.cooperative_matmul_sm90 import (
   pipeline_buffer_names,
 )
 from pipelines.epilogue import BIAS_DTYPE, Epilogue
+from pipelines.group_schedule import GroupTiles, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
 from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS, emit_pipelined_matmul
@@ -49,23 +50,25 @@ from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS, emit_pipelined_matmu
 
 def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                    has_bias: bool = False, delay_release: int = 0,
-                   gated: bool = False) -> SmemBudget:
+                   gated: bool = False, grouped: bool = False) -> SmemBudget:
   """The SMEM the warp-specialized kernel of `config.schedule` allocates for `problem`
-  (with `gated`, the cooperative body's gated unit, `ws_gated_matmul`)."""
+  (with `gated`, the cooperative body's gated unit, `ws_gated_matmul`; with
+  `grouped`, its grouped matmul, `ws_ragged_matmul`)."""
   if config.schedule == Schedule.PINGPONG:
     scratch = pingpong_scratch(config, problem.dtype, out_dtype, k=problem.k, has_bias=has_bias,
                                layout=problem.layout)
   else:
     scratch = cooperative_scratch(config, problem.dtype, out_dtype, k=problem.k,
                                   has_bias=has_bias, delay_release=delay_release,
-                                  layout=problem.layout, gated=gated)
+                                  layout=problem.layout, gated=gated, grouped=grouped)
   return SmemBudget.of_scratch(
       scratch, labels={"pipeline_allocs": pipeline_buffer_names(config, gated=gated)})
 
 
 def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                     has_bias: bool = False, delay_release: int = 0,
-                    kernel: str | None = None, gated: bool = False) -> None:
+                    kernel: str | None = None, gated: bool = False,
+                    grouped: bool = False) -> None:
   """Raises `ValueError` unless the warp-specialized kernel can run `config` on `problem`.
 
   `problem.k` must be a multiple of `config.tile_k`: `ws_matmul` checks the K
@@ -75,11 +78,17 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   `emit_cooperative_matmul` in blocks without clusters (the rings), which
   cannot run `config.cluster_m` = 2; None for `ws_matmul`, which can.
   `gated`: the config runs the gated unit (`ws_gated_matmul`), which needs
-  the cooperative schedule without a split of K.
+  the cooperative schedule without a split of K. `grouped`: the config runs
+  the grouped matmul (`ws_ragged_matmul`), which also needs cluster_m=1 (the
+  two blocks of a cluster could be on two groups' weights).
   """
   if gated and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1):
     raise ValueError(f"{config!r}: the gated unit needs schedule=Schedule.COOPERATIVE and "
                      "k_splits=1")
+  if grouped and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1
+                  or config.cluster_m != 1):
+    raise ValueError(f"{config!r}: the grouped matmul needs schedule=Schedule.COOPERATIVE, "
+                     "k_splits=1 and cluster_m=1")
   if kernel is not None and config.cluster_m != 1:
     raise ValueError(f"cluster_m={config.cluster_m}: {kernel} runs blocks without clusters; "
                      "use cluster_m=1")
@@ -97,7 +106,7 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                      f"{config.max_concurrent_steps})")
   if problem.k:  # K = 0 runs no kernel (`empty_result`), so it allocates nothing.
     ws_smem_budget(config, problem, out_dtype, has_bias=has_bias, delay_release=delay_release,
-                   gated=gated).check(what=repr(config))
+                   gated=gated, grouped=grouped).check(what=repr(config))
 
 
 def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
@@ -340,6 +349,68 @@ def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | Non
   outs = tuple(out if out.shape == (m, n) else out[:m, :n]
                for out in kernel(lhs, *((gate_rhs,) if fused else (gate_rhs, up_rhs))))
   return outs if keep_products else outs[0]
+
+
+def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                     config: TuningConfig, epilogue: Epilogue = Epilogue(), out_dtype=None,
+                     transpose_rhs: bool = False, keep_pre_activation: bool = False):
+  """The grouped matmul: `epilogue(lhs[rows of g] @ op(rhs[g]))` for each group g, in one kernel.
+
+  The rows of `lhs` are grouped in order, group g holding `group_sizes[g]`
+  of them (`jax.lax.ragged_dot`'s semantics); rows past the groups give
+  zeros. The group sizes are read on the device (`group_schedule`), so new
+  sizes need no new kernel. Shapes and padding as for `ws_matmul`, with
+  each group's weight padded as one RHS would be.
+
+  Args:
+    lhs: (M, K) float16 or bfloat16.
+    rhs: (G, K, N) of the same dtype, or (G, N, K) with `transpose_rhs`.
+    group_sizes: (G,) integers; sizes past M are cut at row M.
+    config: a cooperative `TuningConfig` with k_splits = 1 and cluster_m = 1.
+    epilogue: the activation (no bias: `epilogue.has_bias` must be False).
+    out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+    transpose_rhs: whether each weight is stored (N, K).
+    keep_pre_activation: also return the pre-activation (the product),
+      written by the same epilogue in `out_dtype`.
+
+  Returns:
+    (M, N) array of `out_dtype`, accumulated in float32; with
+    `keep_pre_activation`, a pair (output, pre-activation).
+  """
+  if epilogue.has_bias:
+    raise ValueError("the grouped matmul takes no bias (epilogue.has_bias must be False)")
+  layout = operands.OperandLayout(transpose_rhs=transpose_rhs)
+  problem, out_dtype, _ = _check_call(lhs, jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype), None,
+                                      out_dtype, layout)
+  check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype, grouped=True)
+  num_outputs = 2 if keep_pre_activation else 1
+  if problem.is_empty:  # Every product is zeros, and act(0) = 0.
+    zeros = empty_result(problem, out_dtype, (lhs, rhs, group_sizes))
+    return (zeros,) * num_outputs if keep_pre_activation else zeros
+  sizes = ws_tma_sizes(config, problem, out_dtype)
+  lhs = operands.pad_operands(lhs, None, None, sizes)[0]
+  if rhs.shape[1:] != sizes.rhs:
+    rhs = jnp.pad(rhs, [(0, 0)] + [(0, want - have) for have, want in
+                                   zip(rhs.shape[1:], sizes.rhs, strict=True)])
+  padded_m, padded_n = sizes.out
+  m, n = problem.m, problem.n
+  tiles = group_tiles(group_sizes, m, config.cta_tile_m)
+
+  def body(lhs_gmem, rhs_gmem, group_gmem, row_start_gmem, rows_gmem, out_gmem,
+           *pre_activation_gmem):
+    emit_cooperative_matmul(
+        lhs_gmem, rhs_gmem, out_gmem, config=config, epilogue=epilogue, layout=layout,
+        pre_activation_gmem=pre_activation_gmem[0] if pre_activation_gmem else None,
+        group_tiles=GroupTiles(group=group_gmem, row_start=row_start_gmem, rows=rows_gmem))
+
+  work_items = tiles.group.shape[0] * pl.cdiv(padded_n, config.cta_tile_n)
+  kernel = persistent_kernel(
+      body, out_type=(jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),) * num_outputs,
+      num_blocks=min(device_facts().sm_count, work_items),
+      name=f"ws_ragged_matmul_{layout.name}")
+  outs = tuple(out if out.shape == (m, n) else out[:m, :n]
+               for out in kernel(lhs, rhs, tiles.group, tiles.row_start, tiles.rows))
+  return outs if keep_pre_activation else outs[0]
 
 
 def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
