@@ -5,7 +5,9 @@ Where things live: `matmul.py` (the public entry), `heuristic.py` (configs
 without tuning), `kernel_call.py` (the one wrapper: validation, padding, the
 kernel call), `*_sm90.py` (the kernel bodies), `config.py`, `operands.py`,
 `epilogue.py`, `reference.py`, `autotune.py` and `tuning_cache.py`;
-`gated_linear_unit.py` (the fused gated unit of transformer MLPs).
+`gated_linear_unit.py` (the fused gated unit of transformer MLPs);
+`ragged_dot.py` and `group_schedule.py` (the grouped matmul of
+mixture-of-experts layers).
 
 The hook contract for kernels built on the cooperative body (the ring
 all-gather matmul in `collectives`): `emit_cooperative_matmul` with a
@@ -30,6 +32,7 @@ from pipelines.kernel_call import (
 from pipelines.matmul import matmul
 from pipelines.pallas_call_matmul import pallas_call_matmul
 from pipelines.persistent_sm90 import SM_AXIS, WG_AXIS
+from pipelines.ragged_dot import ragged_dot
 from pipelines.reference import matmul_reference
 
 __all__ = [
@@ -38,5 +41,5 @@ __all__ = [
     "emit_cooperative_matmul",
     "gated_linear_unit",
     "matmul", "matmul_reference", "pallas_call_matmul", "persistent_kernel", "pipelined_matmul",
-    "ws_matmul", "ws_smem_budget",
+    "ragged_dot", "ws_matmul", "ws_smem_budget",
 ]

@@ -1,0 +1,164 @@
+"""`ragged_dot`: the grouped matmul of mixture-of-experts layers, on the warp-specialized kernel.
+
+`jax.lax.ragged_dot(lhs (M, K), rhs (G, K, N), group_sizes (G,))` multiplies
+the rows of group g (consecutive, in order) by rhs[g]: each expert's tokens
+by that expert's weights, after a router sorted the tokens by expert. Here
+it is one persistent kernel (`kernel_call.ws_ragged_matmul`) whose work
+items are (row tile, N tile) pairs of a table laid out on the device from
+the group sizes (`group_schedule`): no tile mixes two groups' weights, and a
+new routing needs no new kernel.
+
+Gradients (`jax.custom_vjp`): d lhs is the grouped matmul of the cotangent
+with each weight read transposed as stored, on the same kernel; d rhs, the
+per-group `lhs_g.T @ g_g`, is XLA's (`jax.lax.ragged_dot`'s own transpose),
+since the kernel has no form with a ragged K yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.varying import cotangent_like
+from pipelines import heuristic, kernel_call, operands
+from pipelines.config import Schedule, TuningConfig
+from pipelines.epilogue import Epilogue
+
+
+def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
+  """The heuristic's config for the dense problem of all M rows, made one
+  the grouped kernel runs: the cooperative schedule, one CTA per cluster (a
+  cluster's two row tiles could be on two groups' weights), no split of K;
+  then the deepest pipeline whose SMEM fits beside the grouped epilogue's
+  staging tiles."""
+  config = dataclasses.replace(heuristic.default_config(problem, out_dtype),
+                               schedule=Schedule.COOPERATIVE, k_splits=1, cluster_m=1)
+  padded = operands.pad_k(problem, config.tile_k)
+  for steps in range(config.max_concurrent_steps, 1, -1):
+    candidate = dataclasses.replace(config, max_concurrent_steps=steps)
+    try:
+      kernel_call.check_ws_config(candidate, padded, out_dtype, grouped=True)
+    except ValueError:
+      continue
+    return candidate
+  return config  # Its error names what does not fit.
+
+
+def _check_group_sizes(group_sizes, num_groups: int, m: int) -> None:
+  if not hasattr(group_sizes, "dtype") or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be an integer array of shape (G,)=({num_groups},), got "
+                     f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}")
+  if group_sizes.shape != (num_groups,):
+    raise ValueError(f"group_sizes must have shape (G,)=({num_groups},) (one size per group of "
+                     f"rhs), got {group_sizes.shape}")
+  if isinstance(group_sizes, jax.core.Tracer):
+    return  # Traced sizes are data: see ragged_dot's docstring.
+  sizes = np.asarray(group_sizes)
+  if (sizes < 0).any():
+    raise ValueError(f"group_sizes must not be negative, got {sizes.tolist()}")
+  if sizes.sum() > m:
+    raise ValueError(f"group_sizes sum to {int(sizes.sum())}, more than the M={m} rows of lhs")
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+               activation: str = "none", out_dtype=None, transpose_rhs: bool = False,
+               config: TuningConfig | None = None) -> jax.Array:
+  """`activation(jax.lax.ragged_dot(lhs, rhs, group_sizes))` on Hopper, in one kernel.
+
+  Args:
+    lhs: (M, K) float16 or bfloat16; its rows are grouped in order, group g
+      holding `group_sizes[g]` of them.
+    rhs: (G, K, N) of lhs's dtype, one weight per group; or (G, N, K) with
+      `transpose_rhs` (read as stored, no transpose in HBM).
+    group_sizes: (G,) integers. Rows past their sum give zeros. Known sizes
+      (not traced) must be non-negative and sum to at most M, else a
+      ValueError; traced ones are data read on the device (a new routing
+      compiles nothing), where negative sizes count as 0 and rows past M
+      are dropped from the last groups.
+    activation: "none", "relu", "gelu" (tanh approximation) or "silu",
+      applied to the float32 product before the one cast.
+    out_dtype: float16, bfloat16 or float32; lhs's dtype by default.
+    transpose_rhs: whether each weight is stored (N, K).
+    config: a cooperative `TuningConfig` with k_splits = 1 and cluster_m = 1;
+      `default_config(...)` of the dense problem by default.
+
+  Any M, K, N and G work, empty groups and one group holding every row
+  included; M, N or K of 0 give what `jax.lax.ragged_dot` gives. Gradients
+  (`jax.grad`, `jax.vjp`): d lhs is this kernel on the cotangent and the
+  weights as stored; d rhs is XLA's `jax.lax.ragged_dot` transpose; an
+  activation's derivative is applied in float32 at the pre-activation,
+  which the differentiated forward's epilogue writes in `out_dtype`.
+
+  Returns:
+    (M, N) array of `out_dtype`, accumulated in float32.
+  """
+  if lhs.ndim != 2:
+    raise ValueError(f"lhs must be 2-D (M, K), got lhs.shape={lhs.shape}")
+  if rhs.ndim != 3:
+    raise ValueError(f"rhs must be 3-D ({'(G, N, K)' if transpose_rhs else '(G, K, N)'}), got "
+                     f"rhs.shape={rhs.shape}")
+  _check_group_sizes(group_sizes, rhs.shape[0], lhs.shape[0])
+  layout = operands.OperandLayout(transpose_rhs=transpose_rhs)
+  problem = operands.check_operands(lhs, jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype), layout)
+  out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
+  epilogue = Epilogue(activation=activation)
+  if config is None:
+    config = default_config(problem, out_dtype)
+  if not isinstance(config, TuningConfig):
+    raise ValueError(f"config must be a TuningConfig, got {type(config).__name__}")
+  kernel_call.check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype,
+                              grouped=True)
+  return _make_differentiable(config, epilogue, out_dtype, transpose_rhs)(
+      lhs, rhs, group_sizes.astype(jnp.int32))
+
+
+@functools.cache
+def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
+                         transpose_rhs: bool):
+  keeps_pre_activation = epilogue.activation in ("gelu", "silu")
+
+  def run(lhs, rhs, group_sizes, keep_pre_activation=False):
+    return kernel_call.ws_ragged_matmul(lhs, rhs, group_sizes, config=config, epilogue=epilogue,
+                                        out_dtype=out_dtype, transpose_rhs=transpose_rhs,
+                                        keep_pre_activation=keep_pre_activation)
+
+  @jax.custom_vjp
+  def differentiable(lhs, rhs, group_sizes):
+    return run(lhs, rhs, group_sizes)
+
+  def forward(lhs, rhs, group_sizes):
+    if keeps_pre_activation:
+      # gelu's and silu's derivatives need the pre-activation: the epilogue
+      # writes it beside the output instead of a second grouped matmul.
+      out, saved = run(lhs, rhs, group_sizes, keep_pre_activation=True)
+    else:
+      out = run(lhs, rhs, group_sizes)
+      saved = out if epilogue.activation == "relu" else None
+    return out, (lhs, rhs, group_sizes, saved)
+
+  def backward(residuals, out_cotangent):
+    lhs, rhs, group_sizes, saved = residuals
+    g = out_cotangent.astype(jnp.float32)
+    if epilogue.activation == "relu":
+      g = jnp.where(saved > 0, g, 0.0)
+    elif epilogue.activation != "none":
+      g = g * epilogue.derivative(saved.astype(jnp.float32))
+    g = g.astype(lhs.dtype)
+    # d lhs = g @ rhs[group].T: the grouped matmul with each weight read
+    # transposed, as stored.
+    d_lhs = ragged_dot(g, rhs, group_sizes, transpose_rhs=not transpose_rhs,
+                       out_dtype=lhs.dtype)
+    weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    _, rhs_vjp = jax.vjp(
+        lambda w: jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32),
+        weights)
+    (d_rhs,) = rhs_vjp(g.astype(jnp.float32))
+    d_rhs = jnp.swapaxes(d_rhs, 1, 2) if transpose_rhs else d_rhs
+    return (cotangent_like(d_lhs, lhs), cotangent_like(d_rhs.astype(rhs.dtype), rhs), None)
+
+  differentiable.defvjp(forward, backward)
+  return differentiable

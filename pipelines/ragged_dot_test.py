@@ -1,0 +1,183 @@
+"""`ragged_dot` against `jax.lax.ragged_dot` in float32: groups, layouts, gradients, errors.
+
+Small configs with several work items per block, so a tile's stores meet the
+previous tile's; group sizes that put group edges inside tiles, inside
+epilogue sub-tiles and off the 8-row windows, empty groups, single rows,
+rows past the groups, and one group holding every row.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import simulator
+from core import testing
+from pipelines import MatmulDimension, TuningConfig, matmul, ragged_dot
+from pipelines import matmul_test_base as base
+from pipelines.epilogue import ACTIVATIONS, Epilogue
+
+simulator.reserve_intra_op_threads()
+
+# Warpgroups split M (a 128-row CTA tile) or N (64 rows, two 64-column halves).
+SPLIT_M = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                       wg_dimension=MatmulDimension.M)
+SPLIT_N = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+                       wg_dimension=MatmulDimension.N)
+# Edges inside tiles and sub-tiles, off 8 rows, an empty group, a single row,
+# and rows past the groups (300 - 293 = 7 rows of zeros).
+UNEVEN = (37, 0, 130, 1, 125)
+
+
+def reference(lhs, rhs, group_sizes, activation="none", transpose_rhs=False):
+  """float32 `activation(jax.lax.ragged_dot(...))`, weights stored (G, K, N) or (G, N, K)."""
+  lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+  if transpose_rhs:
+    rhs = jnp.swapaxes(rhs, 1, 2)
+  out = jax.lax.ragged_dot(lhs, rhs, jnp.asarray(group_sizes, jnp.int32),
+                           precision=jax.lax.Precision.HIGHEST)
+  return Epilogue(activation=activation).apply(out)
+
+
+def operands_of(seed, m, k, n, g, dtype=jnp.bfloat16, transpose_rhs=False):
+  lhs = testing.random_array(seed, (m, k), dtype)
+  rhs = testing.random_array(seed + 1, (g, n, k) if transpose_rhs else (g, k, n), dtype,
+                             scale=1.0 / np.sqrt(k))
+  return lhs, rhs
+
+
+class RaggedDotTest(testing.KernelTestCase):
+
+  def check_forward(self, group_sizes, *, m=300, k=128, n=192, activation="none",
+                    transpose_rhs=False, config=SPLIT_M, out_dtype=None, dtype=jnp.bfloat16,
+                    seed=0, blocks=2):
+    lhs, rhs = operands_of(seed, m, k, n, len(group_sizes), dtype, transpose_rhs)
+    sizes = jnp.array(group_sizes, jnp.int32)
+    fn = functools.partial(ragged_dot, activation=activation, transpose_rhs=transpose_rhs,
+                           config=config, out_dtype=out_dtype)
+    with base.with_blocks(blocks):
+      out = self.run_kernel(jax.jit(fn), lhs, rhs, sizes)
+    self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype or dtype)))
+    self.assert_close(out, reference(lhs, rhs, sizes, activation, transpose_rhs),
+                      dtype=out_dtype or dtype)
+    return out
+
+  @parameterized.product(config=[SPLIT_M, SPLIT_N], activation=ACTIVATIONS)
+  def test_uneven_groups_under_both_warpgroup_splits(self, config, activation):
+    self.check_forward(UNEVEN, config=config, activation=activation)
+
+  @parameterized.named_parameters(
+      ("one_group_holds_every_row", dict(group_sizes=(0, 300, 0))),
+      ("single_row_groups", dict(group_sizes=(1,) * 6, m=8)),
+      ("groups_on_tile_edges", dict(group_sizes=(128, 64, 0, 108))),
+      ("no_rows_in_groups", dict(group_sizes=(0, 0))),
+      ("transposed_weights", dict(group_sizes=UNEVEN, transpose_rhs=True)),
+      ("ragged_k_and_n", dict(group_sizes=(50, 90, 60), m=200, k=200, n=136)),
+      ("float16_to_float32", dict(group_sizes=UNEVEN, dtype=jnp.float16,
+                                  out_dtype=jnp.float32)),
+      ("default_config", dict(group_sizes=UNEVEN, config=None)),
+  )
+  def test_group_shapes_layouts_and_dtypes(self, overrides):
+    self.check_forward(**overrides)
+
+  def test_rows_past_the_groups_are_zeros(self):
+    out = self.check_forward((10, 20), m=100)
+    np.testing.assert_array_equal(np.asarray(out[30:], np.float32), 0)
+
+  def test_one_group_is_the_matmul(self):
+    lhs, rhs = operands_of(5, 200, 128, 192, 1)
+    sizes = jnp.array([200], jnp.int32)
+    with base.with_blocks(2):
+      got = self.run_kernel(jax.jit(functools.partial(ragged_dot, config=SPLIT_M)), lhs, rhs,
+                            sizes)
+      want = self.run_kernel(jax.jit(functools.partial(matmul, config=SPLIT_M)), lhs, rhs[0])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+  def test_a_new_routing_compiles_nothing(self):
+    lhs, rhs = operands_of(6, 128, 64, 64, 3)
+    traces = []
+
+    @jax.jit
+    def fn(lhs, rhs, sizes):
+      traces.append(None)
+      return ragged_dot(lhs, rhs, sizes, config=SPLIT_M)
+
+    with base.with_blocks(2):
+      # In interpret mode the first kernel run changes the tracing context,
+      # so the second call traces once more (dense matmuls too); then
+      # nothing retraces.
+      for sizes in ((64, 64, 0), (0, 64, 64)):
+        self.run_kernel(fn, lhs, rhs, jnp.array(sizes, jnp.int32))
+      traced = len(traces)
+      for sizes in ((128, 0, 0), (1, 2, 125), (40, 40, 40)):
+        sizes = jnp.array(sizes, jnp.int32)
+        out = self.run_kernel(fn, lhs, rhs, sizes)
+        self.assert_close(out, reference(lhs, rhs, sizes), dtype=jnp.bfloat16)
+    self.assertLen(traces, traced)
+
+  @parameterized.named_parameters(
+      ("linear", dict()),
+      ("gelu", dict(activation="gelu")),
+      ("relu_transposed", dict(activation="relu", transpose_rhs=True)),
+  )
+  def test_gradients(self, overrides):
+    activation = overrides.get("activation", "none")
+    transpose_rhs = overrides.get("transpose_rhs", False)
+    lhs, rhs = operands_of(20, 300, 128, 192, len(UNEVEN), transpose_rhs=transpose_rhs)
+    sizes = jnp.array(UNEVEN, jnp.int32)
+    cotangent = testing.random_array(23, (300, 192), jnp.bfloat16)
+
+    def grads_of(fn, lhs, rhs):
+      out, vjp = jax.vjp(fn, lhs, rhs)
+      return vjp(cotangent.astype(out.dtype))
+
+    ours = functools.partial(ragged_dot, group_sizes=sizes, activation=activation,
+                             transpose_rhs=transpose_rhs, config=SPLIT_M)
+    with base.with_blocks(2):
+      got = self.run_kernel(jax.jit(functools.partial(
+          grads_of, lambda a, b: ours(a, b))), lhs, rhs)
+    want = grads_of(lambda a, b: reference(a, b, sizes, activation, transpose_rhs),
+                    lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    for name, g, w, primal in zip(("lhs", "rhs"), got, want, (lhs, rhs), strict=True):
+      with self.subTest(cotangent=name):
+        self.assertEqual((g.shape, g.dtype), (primal.shape, primal.dtype))
+        # The cotangent enters the products in bf16 (as a bf16 model's does).
+        self.assert_close(g, w, dtype=jnp.bfloat16)
+    # Rows past the groups get no gradient.
+    np.testing.assert_array_equal(np.asarray(got[0][293:], np.float32), 0)
+
+  def test_lowers_for_the_gpu(self):
+    """One Mosaic GPU kernel, under both splits and with the kept pre-activation."""
+    lhs, rhs = operands_of(7, 300, 128, 192, len(UNEVEN))
+    sizes = jnp.array(UNEVEN, jnp.int32)
+    for config in (SPLIT_M, SPLIT_N):
+      with self.subTest(config=config.wg_dimension):
+        text = testing.lowered_for_gpu(
+            functools.partial(ragged_dot, config=config, activation="silu"), lhs, rhs, sizes)
+        self.assertEqual(testing.mosaic_kernel_count(text), 1)
+
+  def test_bad_inputs_name_the_argument(self):
+    lhs, rhs = operands_of(8, 64, 64, 64, 2)
+    cases = [
+        ((lhs[0], rhs, jnp.array([1, 2])), r"lhs must be 2-D \(M, K\)"),
+        ((lhs, rhs[0], jnp.array([1, 2])), r"rhs must be 3-D \(\(G, K, N\)\)"),
+        ((lhs, rhs, jnp.array([1, 2, 3])), r"group_sizes must have shape \(G,\)=\(2,\)"),
+        ((lhs, rhs, jnp.array([1.0, 2.0])), r"group_sizes must be an integer array"),
+        ((lhs, rhs, jnp.array([60, 5])), r"group_sizes sum to 65, more than the M=64 rows"),
+        ((lhs, rhs, jnp.array([-1, 5])), r"group_sizes must not be negative"),
+        ((lhs, rhs.astype(jnp.float16), jnp.array([1, 2])), r"dtype"),
+        ((lhs, rhs[:, :32], jnp.array([1, 2])), r"K"),
+    ]
+    for args, message in cases:
+      with self.subTest(message=message), base.no_kernel_built():
+        with self.assertRaisesRegex(ValueError, message):
+          ragged_dot(*args)
+    with self.assertRaisesRegex(ValueError, r"cluster_m=1"):
+      ragged_dot(lhs, rhs, jnp.array([1, 2]),
+                 config=TuningConfig(tile_m=64, tile_n=64, cluster_m=2))
+
+
+if __name__ == "__main__":
+  absltest.main()
