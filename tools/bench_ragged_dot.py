@@ -1,0 +1,233 @@
+"""Benchmarks the grouped matmul of MoE layers: ours against dense, XLA and the Pallas peers.
+
+    bazel run //tools:bench_ragged_dot -- --out_dir=/tmp/bench
+
+For each MoE layer (the expert up projection of published models, at a
+training token count or a decode-size one) and routing (`balanced`: equal
+groups; `skewed`: sizes from a fixed Dirichlet(0.3) draw, some nearly
+empty), on random normal bfloat16 data, it times with CUPTI after warm-up,
+in the same process:
+  dense     `jnp.dot` of the same (M, K) x (K, N) FLOPs (the baseline)
+  xla       `jax.lax.ragged_dot`
+  ours      `pipelines.ragged_dot`
+  tokamax   `tokamax.ragged_dot(..., implementation="mosaic")`, where
+            tokamax imports (put it on PYTHONPATH: ../shared/tools/peer_site.sh)
+  jax_mgpu  JAX's shipped `ragged_dot_mgpu`, the best of a small sweep of its
+            tiles (forward only: it has no gradient)
+the forward and (`--passes`) the forward + backward (d lhs and d rhs from a
+bf16 cotangent; dense's is `jnp.dot`'s). Each record has the time, TFLOP/s
+(2 M K N, the useful work), the ratio to dense's TFLOP/s and the relative
+error of the forward against `jax.lax.ragged_dot` in float32.
+
+Writes `ragged_dot_bench.json` to `--out_dir`. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from core import has_gpu
+from core.numerics import relative_error
+from core.timing import time_gpu
+from pipelines import ragged_dot
+from tools import cli, report
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeLayer:
+  """An MoE layer's expert up projection: M routed rows (tokens x experts per
+  token) over G experts of (K, N) weights."""
+
+  name: str
+  m: int
+  k: int
+  n: int
+  groups: int
+
+
+# Hidden size, expert intermediate size and experts from each model's
+# published config; M = tokens x experts per token.
+LAYERS = (
+    MoeLayer("mixtral-8x7b@8192", m=16384, k=4096, n=14336, groups=8),
+    MoeLayer("mixtral-8x22b@4096", m=8192, k=6144, n=16384, groups=8),
+    MoeLayer("dbrx@4096", m=16384, k=6144, n=10752, groups=16),
+    MoeLayer("qwen1.5-moe@4096", m=16384, k=2048, n=1408, groups=60),
+    MoeLayer("deepseek-v2-lite@4096", m=24576, k=2048, n=1408, groups=64),
+    MoeLayer("mixtral-8x7b@32", m=64, k=4096, n=14336, groups=8),
+    MoeLayer("qwen1.5-moe@64", m=256, k=2048, n=1408, groups=60),
+)
+ROUTINGS = ("balanced", "skewed")
+IMPLS = ("dense", "xla", "ours", "tokamax", "jax_mgpu")
+PASSES = ("forward", "forward_backward")
+# JAX's ragged_dot_mgpu tiles tried (block_m, block_n, block_k, steps, grid_block_n).
+JAX_MGPU_SWEEP = ((128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 128, 64, 5, 4),
+                  (128, 128, 64, 6, 8))
+
+_OUT_DIR = flags.DEFINE_string("out_dir", "out", "Where results go; relative to where the "
+                               "command ran.")
+_LAYERS = flags.DEFINE_list("layers", [layer.name for layer in LAYERS], "MoE layers to time.")
+_ROUTINGS = flags.DEFINE_list("routings", list(ROUTINGS), "Routings: balanced, skewed.")
+_IMPLS = flags.DEFINE_list("impls", list(IMPLS), "Implementations to time.")
+_PASSES = flags.DEFINE_list("passes", list(PASSES), "Passes: forward, forward_backward.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed calls per implementation.")
+
+
+def group_sizes(layer: MoeLayer, routing: str) -> np.ndarray:
+  """(G,) int32 sizes summing to M: equal, or a fixed Dirichlet(0.3) split."""
+  if routing == "balanced":
+    sizes = np.full(layer.groups, layer.m // layer.groups)
+  else:
+    shares = np.random.default_rng(0).dirichlet(np.full(layer.groups, 0.3))
+    sizes = np.floor(shares * layer.m).astype(int)
+  sizes[-1] += layer.m - sizes.sum()
+  return sizes.astype(np.int32)
+
+
+def _tokamax():
+  try:
+    import tokamax  # noqa: PLC0415 - an optional peer.
+  except ImportError:
+    return None
+  return tokamax
+
+
+def implementations(tokamax) -> dict:
+  """name -> fn(lhs, rhs, group_sizes) for the grouped ones."""
+  impls = dict(
+      xla=lambda a, b, s: jax.lax.ragged_dot(a, b, s),
+      ours=lambda a, b, s: ragged_dot(a, b, s),
+  )
+  if tokamax is not None:
+    impls["tokamax"] = lambda a, b, s: tokamax.ragged_dot(a, b, s, implementation="mosaic")
+  return impls
+
+
+def _grads(fn, cotangent):
+  # The output is returned too: unused, XLA would drop a linear forward.
+  def step(a, b, s):
+    out, vjp = jax.vjp(lambda x, w: fn(x, w, s), a, b)
+    return out, *vjp(cotangent)
+  return step
+
+
+def bench_layer(layer: MoeLayer, routing: str, impls: list[str], passes: list[str],
+                iterations: int) -> list[dict]:
+  keys = jax.random.split(jax.random.key(1), 3)
+  lhs = jax.random.normal(keys[0], (layer.m, layer.k), jnp.bfloat16)
+  rhs = (jax.random.normal(keys[1], (layer.groups, layer.k, layer.n), jnp.float32)
+         / np.sqrt(layer.k)).astype(jnp.bfloat16)
+  cotangent = jax.random.normal(keys[2], (layer.m, layer.n), jnp.bfloat16)
+  sizes = jnp.asarray(group_sizes(layer, routing))
+  flops = 2 * layer.m * layer.k * layer.n
+  want = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes,
+                            precision=jax.lax.Precision.HIGHEST)
+  grouped = implementations(_tokamax())
+  base = dict(layer=layer.name, routing=routing, m=layer.m, k=layer.k, n=layer.n,
+              groups=layer.groups, group_sizes=[int(s) for s in sizes])
+  records = []
+  for pass_ in passes:
+    times = {}
+    errors = {}
+    for impl in impls:
+      args = (lhs, rhs, sizes)
+      if impl == "dense":
+        # One (K, N) weight, sliced outside the timed call.
+        args, fn = (lhs, rhs[0], sizes), lambda a, b, s: jnp.dot(a, b)  # noqa: E731
+      elif impl == "jax_mgpu":
+        if pass_ != "forward":
+          continue
+        fn, config = _best_jax_mgpu(lhs, rhs, sizes, iterations)
+        if fn is None:
+          continue
+        base_config = config
+      elif impl in grouped:
+        fn = grouped[impl]
+      else:
+        continue  # A peer that does not import.
+      step = fn if pass_ == "forward" else _grads(fn, cotangent)
+      try:
+        timing, out = time_gpu(impl, step, args, flops=flops * (1 if pass_ == "forward" else 3),
+                               iterations=iterations)
+      except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal.
+        records.append(dict(base, impl=impl, **{"pass": pass_},
+                            error=f"{type(e).__name__}: {e}"[:300]))
+        continue
+      times[impl] = timing
+      if pass_ == "forward" and impl != "dense":
+        errors[impl] = float(relative_error(out, want))
+      extra = dict(config=base_config) if impl == "jax_mgpu" else {}
+      records.append(dict(base, impl=impl, **{"pass": pass_}, median_us=timing.median_us,
+                          tflops=timing.tflops, rel_error=errors.get(impl), **extra))
+    dense = times.get("dense")
+    for r in records:
+      if r.get("pass") == pass_ and dense is not None and "tflops" in r:
+        r["ratio_to_dense"] = r["tflops"] / dense.tflops
+  return records
+
+
+def _best_jax_mgpu(lhs, rhs, sizes, iterations):
+  """JAX's ragged_dot_mgpu at the fastest of `JAX_MGPU_SWEEP` that runs here."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415 - needs CUDA.
+
+  best = (None, None, float("inf"))
+  for block_m, block_n, block_k, steps, grid_block_n in JAX_MGPU_SWEEP:
+    fn = functools.partial(
+        lambda a, b, s, **kw: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **kw),
+        block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=steps,
+        grid_block_n=grid_block_n)
+    try:
+      timing, _ = time_gpu("jax_mgpu", fn, (lhs, rhs, sizes), flops=1,
+                           iterations=max(3, iterations // 4))
+    except Exception:  # noqa: BLE001, S112 - a config that does not fit is skipped.
+      continue
+    if timing.median_us < best[2]:
+      best = (fn, dict(block_m=block_m, block_n=block_n, block_k=block_k,
+                       max_concurrent_steps=steps, grid_block_n=grid_block_n), timing.median_us)
+  return best[0], best[1]
+
+
+def summary(records: list[dict]) -> list[str]:
+  """Each implementation's median ratio to dense, per pass."""
+  lines = []
+  for pass_, impl in itertools.product(PASSES, IMPLS):
+    ratios = [r["ratio_to_dense"] for r in records
+              if r.get("pass") == pass_ and r["impl"] == impl and "ratio_to_dense" in r]
+    if ratios and impl != "dense":
+      lines.append(f"median ratio to dense, {impl} {pass_}: {statistics.median(ratios):.3f} "
+                   f"({len(ratios)} problems)")
+  return lines
+
+
+def main(argv):
+  del argv
+  if not has_gpu():
+    raise SystemExit("bench_ragged_dot needs a Hopper GPU; none is visible to JAX.")
+  out_dir = cli.output_dir(_OUT_DIR.value)
+  by_name = {layer.name: layer for layer in LAYERS}
+  unknown = [name for name in _LAYERS.value if name not in by_name]
+  if unknown:
+    raise SystemExit(f"--layers: unknown {unknown}; known: {sorted(by_name)}")
+  records = []
+  path = os.path.join(out_dir, "ragged_dot_bench.json")
+  for name, routing in itertools.product(_LAYERS.value, _ROUTINGS.value):
+    records += bench_layer(by_name[name], routing, _IMPLS.value, _PASSES.value,
+                           _ITERATIONS.value)
+    report.write_json(path, records)  # After each layer, so a stopped run keeps its results.
+  report.print_table(records, ["layer", "routing", "pass", "impl", "median_us", "tflops",
+                               "ratio_to_dense", "rel_error", "error"])
+  for line in summary(records):
+    print(line)
+  cli.say_written([path])
+
+
+if __name__ == "__main__":
+  cli.run(main)
