@@ -75,6 +75,20 @@ class Epilogue:
         return sigmoid * (1.0 + x * (1.0 - sigmoid))
     return jnp.ones_like(x)
 
+  def sum_cotangent(self, out_cotangent: jax.Array, saved: jax.Array | None) -> jax.Array:
+    """The float32 cotangent of the sum before the activation, from the output's.
+
+    `saved` is what the differentiated forward kept: the pre-activation for
+    gelu and silu, the output for relu (its derivative is read off the
+    sign), None for "none".
+    """
+    g = out_cotangent.astype(jnp.float32)
+    if self.activation == "relu":
+      return jnp.where(saved > 0, g, 0.0)
+    if self.activation != "none":
+      return g * self.derivative(saved.astype(jnp.float32))
+    return g
+
   def apply_to_sum(self, acc: jax.Array, bias: jax.Array | None) -> jax.Array:
     """Bias, then the activation, on a float32 (M, N) sum outside a kernel.
 

@@ -167,11 +167,7 @@ def _backward(epilogue: Epilogue, layout: operands.OperandLayout, residuals, out
   products in the operand dtype.
   """
   lhs, rhs, bias, saved = residuals
-  g = out_cotangent.astype(jnp.float32)
-  if epilogue.activation == "relu":
-    g = jnp.where(saved > 0, g, 0.0)
-  elif epilogue.activation != "none":
-    g = g * epilogue.derivative(saved.astype(jnp.float32))
+  g = epilogue.sum_cotangent(out_cotangent, saved)
   if pre_activation_cotangent is not None:
     g = g + pre_activation_cotangent.astype(jnp.float32)
   g = g.astype(lhs.dtype)

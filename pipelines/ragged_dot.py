@@ -142,12 +142,7 @@ def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
 
   def backward(residuals, out_cotangent):
     lhs, rhs, group_sizes, saved = residuals
-    g = out_cotangent.astype(jnp.float32)
-    if epilogue.activation == "relu":
-      g = jnp.where(saved > 0, g, 0.0)
-    elif epilogue.activation != "none":
-      g = g * epilogue.derivative(saved.astype(jnp.float32))
-    g = g.astype(lhs.dtype)
+    g = epilogue.sum_cotangent(out_cotangent, saved).astype(lhs.dtype)
     # d lhs = g @ rhs[group].T: the grouped matmul with each weight read
     # transposed, as stored.
     d_lhs = ragged_dot(g, rhs, group_sizes, transpose_rhs=not transpose_rhs,
