@@ -117,7 +117,7 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
   copy of its tile's bias into `bias_smem`; with `partial_rows` also
   `rows_smem`, (2, epi_tile_m, epi_tile_n) plain (unswizzled) staging tiles
   for the sub-tiles of which only some rows are stored (`store_epilogue`'s
-  `rows`).
+  `row_range`).
   """
   scratch = dict(out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
                                 config.epi_tile_n), out_dtype, swizzled=True, swizzle=swizzle))
