@@ -44,7 +44,7 @@ from pipelines.config import (
   operand_swizzle,
 )
 from pipelines.epilogue import Epilogue, epilogue_scratch, output_swizzle, store_epilogue
-from pipelines.group_schedule import ROW_ALIGNMENT, GroupTiles
+from pipelines.group_schedule import ROW_ALIGNMENT, GroupRows, GroupTiles
 from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import (
   CLUSTER_AXIS,
@@ -67,31 +67,45 @@ def pipeline_buffer_names(config: TuningConfig, *, gated: bool = False) -> tuple
   return ("lhs_smem", *(f"{name}[{j}]" for name in rhs_names for j in range(config.rhs_tiles)))
 
 
-def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: int,
+def _operand_pipeline(config: TuningConfig, dtype, k_steps, delay_release: int,
                       layout: OperandLayout, step, compute_context, swizzle: int | None,
-                      num_rhs: int = 1):
+                      num_rhs: int = 1, k_start=None):
   """The memory warpgroup's pipeline of LHS and RHS tiles, as the operands are stored:
   (cta_m, tile_k) or (tile_k, cta_m), and `config.rhs_tiles` RHS tiles of
   (tile_k, rhs_tile_width) or (rhs_tile_width, tile_k) for each of `num_rhs`
   RHS operands (2 for a gated unit's gate and up projection), all with
   `swizzle` (`config.operand_swizzle`). With `config.cluster_m` = 2 the RHS
-  tiles are multicast to both blocks of the cluster."""
+  tiles are multicast to both blocks of the cluster.
+
+  With `k_start` (a traced row, a multiple of `ROW_ALIGNMENT`; for a (K, M)
+  LHS and a (K, N) RHS only), step kk reads the K rows from `k_start + kk *
+  tile_k` of operands that hold all K rows, and `k_steps` may be traced:
+  a grouped matmul's ragged K."""
   def spec(block_shape, index_map, collective_axes=None):
     return plgpu.BlockSpec(block_shape, index_map,
                            transforms=tile_transforms(block_shape[-1], dtype, swizzle=swizzle),
                            delay_release=delay_release, collective_axes=collective_axes)
-  if layout.transpose_lhs:
-    lhs_spec = spec((config.tile_k, config.cta_tile_m), lambda kk: (kk, 0))
-  else:
-    lhs_spec = spec((config.cta_tile_m, config.tile_k), lambda kk: (0, kk))
-  rhs_axes = (CLUSTER_AXIS,) if config.cluster_m > 1 else None
   width = config.rhs_tile_width
-  if layout.transpose_rhs:
-    rhs_specs = [spec((width, config.tile_k), lambda kk, j=j: (j, kk), rhs_axes)
+  rhs_axes = (CLUSTER_AXIS,) if config.cluster_m > 1 else None
+  if k_start is not None:
+    k_block = pl.Element(config.tile_k)
+
+    def k_row(kk):
+      return pl.multiple_of(k_start + kk * config.tile_k, ROW_ALIGNMENT)
+    lhs_spec = spec((k_block, config.cta_tile_m), lambda kk: (k_row(kk), 0))
+    rhs_specs = [spec((k_block, width), lambda kk, j=j: (k_row(kk), j))
                  for j in range(config.rhs_tiles)]
   else:
-    rhs_specs = [spec((config.tile_k, width), lambda kk, j=j: (kk, j), rhs_axes)
-                 for j in range(config.rhs_tiles)]
+    if layout.transpose_lhs:
+      lhs_spec = spec((config.tile_k, config.cta_tile_m), lambda kk: (kk, 0))
+    else:
+      lhs_spec = spec((config.cta_tile_m, config.tile_k), lambda kk: (0, kk))
+    if layout.transpose_rhs:
+      rhs_specs = [spec((width, config.tile_k), lambda kk, j=j: (j, kk), rhs_axes)
+                   for j in range(config.rhs_tiles)]
+    else:
+      rhs_specs = [spec((config.tile_k, width), lambda kk, j=j: (kk, j), rhs_axes)
+                   for j in range(config.rhs_tiles)]
   return plgpu.emit_pipeline_warp_specialized(
       step,
       grid=(k_steps,),
@@ -104,10 +118,28 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps: int, delay_release: 
   )
 
 
+def _zero_rows_of_other_groups(lhs_smem, first_row, start, end) -> None:
+  """Zeroes the rows of a (tile_k, tile_m) SMEM tile of LHS rows [first_row,
+  first_row + tile_k) that lie outside the group's [start, end), if any.
+
+  Runs in a compute warpgroup on the columns only it reads, before its
+  wgmma, so no other warpgroup needs to wait for it."""
+  tile_k = lhs_smem.shape[0]
+
+  @pl.when((first_row < start) | (first_row + tile_k > end))
+  def _zero():
+    row = first_row + plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, lhs_smem.shape, 0),
+                                        plgpu.Layout.WGMMA)
+    tile = plgpu.load(lhs_smem, layout=plgpu.Layout.WGMMA)
+    lhs_smem[...] = jnp.where((row >= start) & (row < end), tile, jnp.zeros_like(tile))
+    plgpu.commit_smem()  # The wgmma reads SMEM through the async proxy.
+
+
 def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias: bool,
                         delay_release: int = 0, layout: OperandLayout = NN,
                         swizzle: int | None = None, out_swizzle: int | None = None,
-                        gated: bool = False, grouped: bool = False) -> dict:
+                        gated: bool = False, grouped: bool = False,
+                        ragged_k: bool = False) -> dict:
   """The SMEM `emit_cooperative_matmul` allocates for K = `k`, by name.
 
   The kernel allocates exactly this (`pl.run_scoped(**...)`), and
@@ -118,10 +150,15 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
   by default the widest their rows allow (sizes do not depend on them).
   `gated`: the pipeline carries a second RHS (`emit_cooperative_matmul`'s
   `up_gmem`). `grouped`: the epilogue stores tiles of any number of rows
-  (`emit_cooperative_matmul`'s `group_tiles`).
+  (`emit_cooperative_matmul`'s `group_tiles`). `ragged_k`: the K loop's
+  length is traced (`emit_cooperative_matmul`'s `group_rows`), so the
+  pipeline keeps all its slots whatever `k` is.
   """
   num_rhs = 2 if gated else 1
   k_steps = pl.cdiv(k // config.k_splits, config.tile_k)
+  if ragged_k:
+    # A static K loop shorter than the pipeline allocates fewer slots.
+    k_steps = max(k_steps, config.max_concurrent_steps)
 
   def ignore(*_, **__):
     return None
@@ -150,7 +187,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             pipeline_callback: PipelineCallback | None = None,
                             delay_release: int = 0, layout: OperandLayout = NN,
                             addend_gmem=None, pre_activation_gmem=None, up_gmem=None,
-                            up_product_gmem=None, group_tiles: GroupTiles | None = None) -> None:
+                            up_product_gmem=None, group_tiles: GroupTiles | None = None,
+                            group_rows: GroupRows | None = None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   With `up_gmem`, the gated unit instead: `out_gmem = epilogue(lhs_gmem @
@@ -206,6 +244,19 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       multiplies the `rows[t]` rows from `row_start[t]` by weight
       `group[t]`, stores only those rows, and stores zeros for group G (the
       rows past the groups). Needs cluster_m = 1 and k_splits = 1.
+    group_rows: for a grouped matmul's weight gradient (a ragged K), each
+      group's rows (`group_schedule.group_rows`) as (G,) int32 GMEM refs, or
+      None. Then lhs_gmem is (K, M) (`layout.transpose_lhs`), rhs_gmem (K,
+      N), out_gmem (G, M, N), and `out_gmem[g] = lhs_gmem[rows of g].T @
+      rhs_gmem[rows of g]`, zeros for an empty group: the work items are
+      (group, output tile), each with a K loop over its group's rows only.
+      Its first and last steps read rows of other groups (the loop starts
+      on 8 rows, as tiled copies need, and ends on a whole step), which each
+      compute warpgroup zeroes in its LHS columns before its wgmma; the RHS
+      rows are read as they are, so a non-finite value in one group's rows
+      of the RHS makes NaNs in a neighbour's gradient. Needs the layout TN,
+      `config.wg_dimension` M, cluster_m = 1, k_splits = 1, and no bias,
+      epilogue, gate or extra outputs.
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
@@ -224,6 +275,15 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
     raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation, "
                      "addend, pre-activation and pipeline_callback belong to the caller")
   grouped = group_tiles is not None
+  ragged_k = group_rows is not None
+  if ragged_k and (grouped or config.cluster_m != 1 or k_splits != 1 or gated
+                   or not layout.transpose_lhs or layout.transpose_rhs
+                   or config.wg_dimension != MatmulDimension.M or epilogue != Epilogue()
+                   or bias_gmem is not None or pipeline_callback is not None
+                   or addend_gmem is not None or pre_activation_gmem is not None):
+    raise ValueError(f"a ragged K (group_rows) needs a (K, M) LHS and a (K, N) RHS, "
+                     f"wg_dimension=M, cluster_m=1, k_splits=1 and nothing else fused; got "
+                     f"{config!r}, {layout=}")
   if grouped and (config.cluster_m != 1 or k_splits != 1 or gated or layout.transpose_lhs
                   or pipeline_callback is not None or addend_gmem is not None):
     raise ValueError(f"a grouped matmul (group_tiles) needs cluster_m=1, k_splits=1, an (M, K) "
@@ -241,7 +301,15 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   tile_m, tile_n = config.tile_m, config.tile_n
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
   split_k = k // k_splits  # The K range of one block's share of a tile.
-  m_tiles = group_tiles.group.shape[0] if grouped else pl.cdiv(m, cta_m)
+  out_m_tiles = pl.cdiv(m, cta_m)
+  if grouped:
+    m_tiles = group_tiles.group.shape[0]
+  elif ragged_k:
+    # Work item (group, output tile) is M tile group * out_m_tiles + tile:
+    # blocks running at once share a group's rows in L2.
+    m_tiles = group_rows.start.shape[0] * out_m_tiles
+  else:
+    m_tiles = out_m_tiles
   # A last partial K step reads past the arrays' end: TMA fills it with zeros.
   k_steps = pl.cdiv(split_k, config.tile_k)
   num_rhs = 2 if gated else 1
@@ -252,8 +320,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   scratch = cooperative_scratch(config, dtype, out_gmem.dtype, k=k,
                                 has_bias=bias_gmem is not None, delay_release=delay_release,
                                 layout=layout, swizzle=swizzle,
-                                out_swizzle=output_swizzle(config, out_gmem), gated=gated,
-                                grouped=grouped)
+                                out_swizzle=output_swizzle(
+                                    config, out_gmem.at[0] if ragged_k else out_gmem),
+                                gated=gated, grouped=grouped, ragged_k=ragged_k)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
   def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None,
@@ -281,15 +350,27 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
         wg_rows = tuple(jnp.clip(bound - wg_first, 0, tile_m)
                         for bound in (first, first + tile_rows))
       else:
-        cta_m_slice = pl.ds(m_tile * cta_m, cta_m)
         item_rhs_gmem, wg_rows = rhs_gmem, None
+        out_tile = m_tile
+        if ragged_k:
+          # Group `group`'s rows [start, end), read from the 8-row-aligned
+          # row at or below start.
+          group, out_tile = m_tile // out_m_tiles, m_tile % out_m_tiles
+          start, end = group_rows.start[group], group_rows.end[group]
+          k_start = pl.multiple_of(start - start % ROW_ALIGNMENT, ROW_ALIGNMENT)
+          item_k_steps = jnp.where(end > start,
+                                   (end - k_start + config.tile_k - 1) // config.tile_k, 0)
+        cta_m_slice = pl.ds(out_tile * cta_m, cta_m)
       cta_n_slice = pl.ds(n_tile * cta_n, cta_n)
       k_slice = pl.ds(split * split_k, k_steps * config.tile_k)
       if config.wg_dimension == MatmulDimension.M:
         wg_m_slice, wg_n_slice = pl.ds(wg * tile_m, tile_m), slice(None)
       else:
         wg_m_slice, wg_n_slice = slice(None), pl.ds(wg * tile_n, tile_n)
-      split_out = out_gmem.at[split] if k_splits > 1 else out_gmem
+      if k_splits > 1:
+        split_out = out_gmem.at[split]
+      else:
+        split_out = out_gmem.at[group] if ragged_k else out_gmem
       wg_out = split_out.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
       wg_addend, wg_pre_activation, wg_up_product = (
           None if gmem is None else gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
@@ -298,6 +379,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       def mma_step(indices, lhs_smem, *rhs_smems_and_accs):
         *rhs_smems, acc_refs = rhs_smems_and_accs
         # A transposed operand's tile is read through a transposed view.
+        if ragged_k:
+          _zero_rows_of_other_groups(lhs_smem.at[:, wg_m_slice],
+                                     k_start + indices[0] * config.tile_k, start, end)
         if layout.transpose_lhs:
           lhs_operand = lhs_smem.at[:, wg_m_slice].T
         else:
@@ -370,6 +454,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                          config, Epilogue(), None, wg_pre_activation, None, None, wg_rows,
                          rows_smem)
 
+      if ragged_k:
+        # The pipeline picks the group's rows (`_operand_pipeline`'s k_start).
+        k_slice = slice(None)
       lhs_tiles = (lhs_gmem.at[k_slice, cta_m_slice] if layout.transpose_lhs
                    else lhs_gmem.at[cta_m_slice, k_slice])
       def rhs_tiles_of(gmem):
@@ -382,10 +469,15 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
 
       def run_pipeline():
         # Each RHS spec picks its tiles of the CTA's columns.
-        _operand_pipeline(config, dtype, k_steps, delay_release, layout, mma_step,
-                          compute_context, swizzle, num_rhs)(lhs_tiles, *rhs_tiles,
-                                                             allocations=pipeline_allocs)
-      if grouped:
+        _operand_pipeline(config, dtype, item_k_steps if ragged_k else k_steps, delay_release,
+                          layout, mma_step, compute_context, swizzle, num_rhs,
+                          k_start=k_start if ragged_k else None)(
+                              lhs_tiles, *rhs_tiles, allocations=pipeline_allocs)
+      if ragged_k:
+        # An empty group's gradient is zeros, with no K loop.
+        pl.when(item_k_steps > 0)(run_pipeline)
+        pl.when((item_k_steps == 0) & (wg < NUM_COMPUTE_WGS))(store_zeros)
+      elif grouped:
         # Every warpgroup takes the same branch, so the pipeline's barriers
         # stay in step; entries past the table's last tile (no rows) do nothing.
         pl.when((group < num_groups) & (tile_rows > 0))(run_pipeline)

@@ -17,6 +17,11 @@ GMEM in tiles of 8 rows, so a kernel can only load and store its LHS and
 output tiles at such rows. A group's tiles are the windows from the aligned
 row at or below its first row; only its first tile may start inside its
 window (at most 7 rows in) and only its last may end before it.
+
+The weight gradient of a grouped matmul contracts over each group's rows
+instead (a ragged K): its kernel needs only each group's first and last row
+(`group_rows`), and reads each group's rows from the aligned row at or below
+its first, zeroing the rows of other groups in its first and last K step.
 """
 
 from __future__ import annotations
@@ -52,6 +57,34 @@ class GroupTiles:
   rows: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupRows:
+  """The rows of each group of a grouped matmul, [start[g], end[g]).
+
+  Arrays outside a kernel; inside one, GMEM refs to them.
+
+  Attributes:
+    start: (G,) int32, the group's first row.
+    end: (G,) int32, one past its last row (start for an empty group).
+  """
+
+  start: jax.Array
+  end: jax.Array
+
+
+def group_rows(group_sizes: jax.Array, m: int) -> GroupRows:
+  """The rows of `m` rows grouped by `group_sizes` (G,), on the device.
+
+  Sizes are taken as int32 and negative ones as 0; where they sum to more
+  than `m`, the groups are cut at row m (as in `group_tiles`).
+  """
+  if group_sizes.ndim != 1:
+    raise ValueError(f"group_sizes must be 1-D (G,), got shape {group_sizes.shape}")
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+  return GroupRows(start=starts.astype(jnp.int32), end=ends.astype(jnp.int32))
+
+
 def max_group_tiles(m: int, num_groups: int, tile_m: int) -> int:
   """A bound on the tiles `group_tiles` lays out for any group sizes.
 
@@ -71,14 +104,11 @@ def group_tiles(group_sizes: jax.Array, m: int, tile_m: int) -> GroupTiles:
   from the last groups), as nothing past M can be read or written.
   `tile_m` must be a multiple of `ROW_ALIGNMENT`.
   """
-  if group_sizes.ndim != 1:
-    raise ValueError(f"group_sizes must be 1-D (G,), got shape {group_sizes.shape}")
   if tile_m % ROW_ALIGNMENT:
     raise ValueError(f"tile_m={tile_m} must be a multiple of {ROW_ALIGNMENT}")
   num_groups = group_sizes.shape[0]
-  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
   # The rows past the groups, as group G.
-  ends = jnp.append(ends, jnp.int32(m))
+  ends = jnp.append(group_rows(group_sizes, m).end, jnp.int32(m))
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
   windows_start = starts - starts % ROW_ALIGNMENT
   tiles = jnp.where(ends > starts, -(-(ends - windows_start) // tile_m), 0)

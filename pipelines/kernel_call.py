@@ -30,6 +30,7 @@ from core.varying import vary_over, varying_axes, varying_kernel
 from pipelines import operands
 from pipelines.config import (
   NUM_COMPUTE_WGS,
+  MatmulDimension,
   PipelinedConfig,
   Schedule,
   TuningConfig,
@@ -42,7 +43,7 @@ from pipelines.cooperative_matmul_sm90 import (
   pipeline_buffer_names,
 )
 from pipelines.epilogue import BIAS_DTYPE, Epilogue
-from pipelines.group_schedule import GroupTiles, group_tiles
+from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
 from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS, emit_pipelined_matmul
@@ -50,17 +51,20 @@ from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS, emit_pipelined_matmu
 
 def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                    has_bias: bool = False, delay_release: int = 0,
-                   gated: bool = False, grouped: bool = False) -> SmemBudget:
+                   gated: bool = False, grouped: bool = False,
+                   ragged_k: bool = False) -> SmemBudget:
   """The SMEM the warp-specialized kernel of `config.schedule` allocates for `problem`
   (with `gated`, the cooperative body's gated unit, `ws_gated_matmul`; with
-  `grouped`, its grouped matmul, `ws_ragged_matmul`)."""
+  `grouped`, its grouped matmul, `ws_ragged_matmul`; with `ragged_k`, the
+  grouped matmul's weight gradient, `ws_ragged_k_matmul`)."""
   if config.schedule == Schedule.PINGPONG:
     scratch = pingpong_scratch(config, problem.dtype, out_dtype, k=problem.k, has_bias=has_bias,
                                layout=problem.layout)
   else:
     scratch = cooperative_scratch(config, problem.dtype, out_dtype, k=problem.k,
                                   has_bias=has_bias, delay_release=delay_release,
-                                  layout=problem.layout, gated=gated, grouped=grouped)
+                                  layout=problem.layout, gated=gated, grouped=grouped,
+                                  ragged_k=ragged_k)
   return SmemBudget.of_scratch(
       scratch, labels={"pipeline_allocs": pipeline_buffer_names(config, gated=gated)})
 
@@ -68,7 +72,7 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
 def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                     has_bias: bool = False, delay_release: int = 0,
                     kernel: str | None = None, gated: bool = False,
-                    grouped: bool = False) -> None:
+                    grouped: bool = False, ragged_k: bool = False) -> None:
   """Raises `ValueError` unless the warp-specialized kernel can run `config` on `problem`.
 
   `problem.k` must be a multiple of `config.tile_k`: `ws_matmul` checks the K
@@ -80,7 +84,10 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   `gated`: the config runs the gated unit (`ws_gated_matmul`), which needs
   the cooperative schedule without a split of K. `grouped`: the config runs
   the grouped matmul (`ws_ragged_matmul`), which also needs cluster_m=1 (the
-  two blocks of a cluster could be on two groups' weights).
+  two blocks of a cluster could be on two groups' weights). `ragged_k`: the
+  config runs the grouped matmul's weight gradient (`ws_ragged_k_matmul`),
+  which needs what `grouped` does and wg_dimension M (each warpgroup zeroes
+  the rows of other groups in its own LHS columns).
   """
   if gated and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1):
     raise ValueError(f"{config!r}: the gated unit needs schedule=Schedule.COOPERATIVE and "
@@ -89,6 +96,11 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                   or config.cluster_m != 1):
     raise ValueError(f"{config!r}: the grouped matmul needs schedule=Schedule.COOPERATIVE, "
                      "k_splits=1 and cluster_m=1")
+  if ragged_k and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1
+                   or config.cluster_m != 1 or config.wg_dimension != MatmulDimension.M):
+    raise ValueError(f"{config!r}: the grouped matmul's weight gradient needs "
+                     "schedule=Schedule.COOPERATIVE, k_splits=1, cluster_m=1 and "
+                     "wg_dimension=MatmulDimension.M")
   if kernel is not None and config.cluster_m != 1:
     raise ValueError(f"cluster_m={config.cluster_m}: {kernel} runs blocks without clusters; "
                      "use cluster_m=1")
@@ -106,7 +118,7 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                      f"{config.max_concurrent_steps})")
   if problem.k:  # K = 0 runs no kernel (`empty_result`), so it allocates nothing.
     ws_smem_budget(config, problem, out_dtype, has_bias=has_bias, delay_release=delay_release,
-                   gated=gated, grouped=grouped).check(what=repr(config))
+                   gated=gated, grouped=grouped, ragged_k=ragged_k).check(what=repr(config))
 
 
 def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
@@ -411,6 +423,57 @@ def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   outs = tuple(out if out.shape == (m, n) else out[:m, :n]
                for out in kernel(lhs, rhs, tiles.group, tiles.row_start, tiles.rows))
   return outs if keep_pre_activation else outs[0]
+
+
+def ws_ragged_k_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                       config: TuningConfig, out_dtype=None) -> jax.Array:
+  """The grouped matmul's weight gradient: `lhs[rows of g].T @ rhs[rows of g]` for each group g.
+
+  A matmul whose K (the rows) is ragged: the rows of both operands are
+  grouped in order, group g holding `group_sizes[g]` of them, and each
+  group's product is an output of its own (zeros for an empty group). Read
+  on the device (`group_schedule.group_rows`), so new sizes need no new
+  kernel. This is `jax.lax.ragged_dot`'s d rhs (lhs the forward's LHS, rhs
+  the output cotangent), and, swapped, that of a weight stored (N, K).
+
+  Args:
+    lhs: (M, K) float16 or bfloat16, read transposed as stored.
+    rhs: (M, N) of the same dtype.
+    group_sizes: (G,) integers; sizes past M are cut at row M, rows past
+      their sum take part in no product.
+    config: a cooperative `TuningConfig` with k_splits = 1, cluster_m = 1
+      and wg_dimension M.
+    out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+
+  Returns:
+    (G, K, N) array of `out_dtype`, accumulated in float32.
+  """
+  layout = operands.OperandLayout(transpose_lhs=True)
+  # As a matmul: M is lhs's K (the output's rows), K the grouped rows.
+  problem, out_dtype, _ = _check_call(lhs, rhs, None, out_dtype, layout)
+  check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype, ragged_k=True)
+  num_groups = group_sizes.shape[0]
+  if problem.m == 0 or problem.n == 0 or problem.k == 0 or num_groups == 0:
+    return vary_over(jnp.zeros((num_groups, problem.m, problem.n), out_dtype),
+                     varying_axes((lhs, rhs, group_sizes)))
+  sizes = ws_tma_sizes(config, problem, out_dtype)
+  lhs, rhs, _ = operands.pad_operands(lhs, rhs, None, sizes)
+  padded_m, padded_n = sizes.out
+  rows = group_rows(group_sizes, problem.k)
+
+  def body(lhs_gmem, rhs_gmem, start_gmem, end_gmem, out_gmem):
+    emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, config=config, layout=layout,
+                            group_rows=GroupRows(start=start_gmem, end=end_gmem))
+
+  work_items = num_groups * pl.cdiv(padded_m, config.cta_tile_m) * pl.cdiv(padded_n,
+                                                                            config.cta_tile_n)
+  kernel = persistent_kernel(
+      body, out_type=jax.ShapeDtypeStruct((num_groups, padded_m, padded_n), out_dtype),
+      num_blocks=min(device_facts().sm_count, work_items), name="ws_ragged_k_matmul")
+  out = kernel(lhs, rhs, rows.start, rows.end)
+  if out.shape[1:] != (problem.m, problem.n):
+    out = out[:, :problem.m, :problem.n]
+  return out
 
 
 def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,

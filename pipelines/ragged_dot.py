@@ -10,8 +10,9 @@ new routing needs no new kernel.
 
 Gradients (`jax.custom_vjp`): d lhs is the grouped matmul of the cotangent
 with each weight read transposed as stored, on the same kernel; d rhs, the
-per-group `lhs_g.T @ g_g`, is XLA's (`jax.lax.ragged_dot`'s own transpose),
-since the kernel has no form with a ragged K yet.
+per-group `lhs_g.T @ g_g`, is the same kernel with a ragged K
+(`kernel_call.ws_ragged_k_matmul`): each (group, weight tile) work item runs
+its K loop over its group's rows only.
 """
 
 from __future__ import annotations
@@ -25,27 +26,45 @@ import numpy as np
 
 from core.varying import cotangent_like
 from pipelines import heuristic, kernel_call, operands
-from pipelines.config import Schedule, TuningConfig
+from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.epilogue import Epilogue
 
 
-def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
+def default_config(problem: operands.MatmulProblem, out_dtype, *,
+                   ragged_k: bool = False) -> TuningConfig:
   """The heuristic's config for the dense problem of all M rows, made one
   the grouped kernel runs: the cooperative schedule, one CTA per cluster (a
   cluster's two row tiles could be on two groups' weights), no split of K;
   then the deepest pipeline whose SMEM fits beside the grouped epilogue's
-  staging tiles."""
+  staging tiles.
+
+  With `ragged_k`, for the weight gradient (`kernel_call.ws_ragged_k_matmul`):
+  `problem` is its dense (K, all M rows, N) TN product, and the warpgroups
+  split the output's rows (each zeroes the other groups' rows in its own
+  LHS columns)."""
   config = dataclasses.replace(heuristic.default_config(problem, out_dtype),
                                schedule=Schedule.COOPERATIVE, k_splits=1, cluster_m=1)
+  if ragged_k:
+    config = dataclasses.replace(config, wg_dimension=MatmulDimension.M)
   padded = operands.pad_k(problem, config.tile_k)
   for steps in range(config.max_concurrent_steps, 1, -1):
     candidate = dataclasses.replace(config, max_concurrent_steps=steps)
     try:
-      kernel_call.check_ws_config(candidate, padded, out_dtype, grouped=True)
+      kernel_call.check_ws_config(candidate, padded, out_dtype, grouped=not ragged_k,
+                                  ragged_k=ragged_k)
     except ValueError:
       continue
     return candidate
   return config  # Its error names what does not fit.
+
+
+def _weight_gradient(lhs: jax.Array, g: jax.Array, group_sizes: jax.Array,
+                     out_dtype) -> jax.Array:
+  """(G, K, N) = lhs[rows of g].T @ g[rows of g] per group, for lhs (M, K) and g (M, N)."""
+  layout = operands.OperandLayout(transpose_lhs=True)
+  problem = operands.check_operands(lhs, g, layout)
+  config = default_config(problem, out_dtype, ragged_k=True)
+  return kernel_call.ws_ragged_k_matmul(lhs, g, group_sizes, config=config, out_dtype=out_dtype)
 
 
 def _check_group_sizes(group_sizes, num_groups: int, m: int) -> None:
@@ -89,7 +108,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   Any M, K, N and G work, empty groups and one group holding every row
   included; M, N or K of 0 give what `jax.lax.ragged_dot` gives. Gradients
   (`jax.grad`, `jax.vjp`): d lhs is this kernel on the cotangent and the
-  weights as stored; d rhs is XLA's `jax.lax.ragged_dot` transpose; an
+  weights as stored; d rhs is this kernel with a ragged K (each group's
+  `lhs.T @ cotangent` over its rows, read as stored); an
   activation's derivative is applied in float32 at the pre-activation,
   which the differentiated forward's epilogue writes in `out_dtype`.
 
@@ -147,13 +167,11 @@ def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
     # transposed, as stored.
     d_lhs = ragged_dot(g, rhs, group_sizes, transpose_rhs=not transpose_rhs,
                        out_dtype=lhs.dtype)
-    weights = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    _, rhs_vjp = jax.vjp(
-        lambda w: jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32),
-        weights)
-    (d_rhs,) = rhs_vjp(g.astype(jnp.float32))
-    d_rhs = jnp.swapaxes(d_rhs, 1, 2) if transpose_rhs else d_rhs
-    return (cotangent_like(d_lhs, lhs), cotangent_like(d_rhs.astype(rhs.dtype), rhs), None)
+    # d rhs[g] = lhs_g.T @ g_g, or for weights stored (N, K) its transpose
+    # g_g.T @ lhs_g: both read their operands as stored.
+    d_rhs = (_weight_gradient(g, lhs, group_sizes, rhs.dtype) if transpose_rhs
+             else _weight_gradient(lhs, g, group_sizes, rhs.dtype))
+    return (cotangent_like(d_lhs, lhs), cotangent_like(d_rhs, rhs), None)
 
   differentiable.defvjp(forward, backward)
   return differentiable

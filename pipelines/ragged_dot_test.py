@@ -6,6 +6,7 @@ epilogue sub-tiles and off the 8-row windows, empty groups, single rows,
 rows past the groups, and one group holding every row.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -15,7 +16,7 @@ from absl.testing import absltest, parameterized
 
 import simulator
 from core import testing
-from pipelines import MatmulDimension, TuningConfig, matmul, ragged_dot
+from pipelines import MatmulDimension, TuningConfig, kernel_call, matmul, ragged_dot
 from pipelines import matmul_test_base as base
 from pipelines.epilogue import ACTIVATIONS, Epilogue
 
@@ -148,6 +149,13 @@ class RaggedDotTest(testing.KernelTestCase):
     # Rows past the groups get no gradient.
     np.testing.assert_array_equal(np.asarray(got[0][293:], np.float32), 0)
 
+  def test_gradients_run_no_xla_grouped_matmul(self):
+    lhs, rhs = operands_of(21, 300, 128, 192, len(UNEVEN))
+    sizes = jnp.array(UNEVEN, jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda a, b: ragged_dot(a, b, sizes, config=SPLIT_M).astype(
+        jnp.float32).sum(), argnums=(0, 1)))(lhs, rhs)
+    self.assertNotIn("ragged_dot", str(jaxpr))
+
   def test_lowers_for_the_gpu(self):
     """One Mosaic GPU kernel, under both splits and with the kept pre-activation."""
     lhs, rhs = operands_of(7, 300, 128, 192, len(UNEVEN))
@@ -177,6 +185,64 @@ class RaggedDotTest(testing.KernelTestCase):
     with self.assertRaisesRegex(ValueError, r"cluster_m=1"):
       ragged_dot(lhs, rhs, jnp.array([1, 2]),
                  config=TuningConfig(tile_m=64, tile_n=64, cluster_m=2))
+
+
+def weight_gradient_reference(lhs, g, group_sizes):
+  """float32 (G, K, N) of lhs[rows of group].T @ g[rows of group], group by group."""
+  lhs, g = np.asarray(lhs, np.float32), np.asarray(g, np.float32)
+  out, row = [], 0
+  for size in np.asarray(group_sizes):
+    size = max(0, min(int(size), lhs.shape[0] - row))
+    out.append(lhs[row:row + size].T @ g[row:row + size])
+    row += size
+  return jnp.asarray(np.stack(out))
+
+
+class RaggedKMatmulTest(testing.KernelTestCase):
+  """`kernel_call.ws_ragged_k_matmul`, ragged_dot's weight gradient: a K loop
+  per group over its rows, the other groups' rows zeroed at its ends."""
+
+  @parameterized.named_parameters(
+      ("uneven", dict(group_sizes=UNEVEN)),
+      ("one_group_holds_every_row", dict(group_sizes=(0, 300, 0))),
+      ("single_row_groups", dict(group_sizes=(1,) * 6, m=8)),
+      ("groups_on_step_edges", dict(group_sizes=(128, 64, 0, 108))),
+      ("groups_inside_one_step", dict(group_sizes=(3, 5, 9, 20, 2))),
+      ("rows_past_the_groups", dict(group_sizes=(10, 20), m=100)),
+      ("no_rows_in_groups", dict(group_sizes=(0, 0))),
+      ("ragged_k_and_n", dict(group_sizes=(50, 90, 60), m=200, k=200, n=136)),
+      ("float16_to_float32", dict(group_sizes=UNEVEN, dtype=jnp.float16,
+                                  out_dtype=jnp.float32)),
+      ("deeper_pipeline", dict(group_sizes=UNEVEN, steps=3)),
+  )
+  def test_against_each_groups_product(self, overrides):
+    group_sizes = overrides.pop("group_sizes")
+    m, k, n = overrides.pop("m", 300), overrides.pop("k", 128), overrides.pop("n", 192)
+    dtype, out_dtype = overrides.pop("dtype", jnp.bfloat16), overrides.pop("out_dtype", None)
+    config = dataclasses.replace(SPLIT_M, max_concurrent_steps=overrides.pop("steps", 2))
+    assert not overrides, overrides
+    lhs = testing.random_array(30, (m, k), dtype)
+    g = testing.random_array(31, (m, n), dtype)
+    sizes = jnp.array(group_sizes, jnp.int32)
+    fn = functools.partial(kernel_call.ws_ragged_k_matmul, config=config, out_dtype=out_dtype)
+    with base.with_blocks(2):
+      out = self.run_kernel(jax.jit(fn), lhs, g, sizes)
+    self.assertEqual((out.shape, out.dtype),
+                     ((len(group_sizes), k, n), jnp.dtype(out_dtype or dtype)))
+    self.assert_close(out, weight_gradient_reference(lhs, g, sizes), dtype=out_dtype or dtype)
+
+  def test_lowers_for_the_gpu(self):
+    lhs = testing.random_array(32, (300, 128), jnp.bfloat16)
+    g = testing.random_array(33, (300, 192), jnp.bfloat16)
+    text = testing.lowered_for_gpu(
+        functools.partial(kernel_call.ws_ragged_k_matmul, config=SPLIT_M), lhs, g,
+        jnp.array(UNEVEN, jnp.int32))
+    self.assertEqual(testing.mosaic_kernel_count(text), 1)
+
+  def test_needs_the_warpgroups_to_split_m(self):
+    lhs = testing.random_array(34, (64, 64), jnp.bfloat16)
+    with base.no_kernel_built(), self.assertRaisesRegex(ValueError, r"wg_dimension"):
+      kernel_call.ws_ragged_k_matmul(lhs, lhs, jnp.array([32, 32], jnp.int32), config=SPLIT_N)
 
 
 if __name__ == "__main__":
