@@ -15,9 +15,13 @@ in the same process:
   jax_mgpu  JAX's shipped `ragged_dot_mgpu`, the best of a small sweep of its
             tiles (forward only: it has no gradient)
 the forward and (`--passes`) the forward + backward (d lhs and d rhs from a
-bf16 cotangent; dense's is `jnp.dot`'s). Each record has the time, TFLOP/s
-(2 M K N, the useful work), the ratio to dense's TFLOP/s and the relative
-error of the forward against `jax.lax.ragged_dot` in float32.
+bf16 cotangent; dense's is `jnp.dot`'s), and the weight gradient alone
+(`weight_gradient`: each group's `lhs_g.T @ cotangent_g`, (G, K, N); dense's
+is `jnp.dot(lhs.T, cotangent)`, XLA's `jax.lax.ragged_dot`'s transpose,
+jax_mgpu JAX's shipped `transposed_ragged_dot` at the best of its sweep).
+Each record has the time, TFLOP/s (2 M K N per product, the useful work),
+the ratio to dense's TFLOP/s and the relative error of the forward, or of
+the weight gradient, against float32.
 
 Writes `ragged_dot_bench.json` to `--out_dir`. Needs a Hopper GPU.
 """
@@ -38,7 +42,8 @@ from absl import flags
 from core import has_gpu
 from core.numerics import relative_error
 from core.timing import time_gpu
-from pipelines import ragged_dot
+from pipelines import kernel_call, operands, ragged_dot
+from pipelines.ragged_dot import default_config
 from tools import cli, report
 
 
@@ -67,7 +72,7 @@ LAYERS = (
 )
 ROUTINGS = ("balanced", "skewed")
 IMPLS = ("dense", "xla", "ours", "tokamax", "jax_mgpu")
-PASSES = ("forward", "forward_backward")
+PASSES = ("forward", "forward_backward", "weight_gradient")
 # JAX's ragged_dot_mgpu tiles tried (block_m, block_n, block_k, steps, grid_block_n).
 JAX_MGPU_SWEEP = ((128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 128, 64, 5, 4),
                   (128, 128, 64, 6, 8))
@@ -111,6 +116,18 @@ def implementations(tokamax) -> dict:
   return impls
 
 
+def _xla_weight_gradient(lhs, g, sizes, groups):
+  weights = jax.ShapeDtypeStruct((groups, lhs.shape[1], g.shape[1]), lhs.dtype)
+  (d_rhs,) = jax.linear_transpose(lambda w: jax.lax.ragged_dot(lhs, w, sizes), weights)(g)
+  return d_rhs
+
+
+def _our_weight_gradient(lhs, g, sizes):
+  problem = operands.check_operands(lhs, g, operands.OperandLayout(transpose_lhs=True))
+  return kernel_call.ws_ragged_k_matmul(
+      lhs, g, sizes, config=default_config(problem, lhs.dtype, ragged_k=True))
+
+
 def _grads(fn, cotangent):
   # The output is returned too: unused, XLA would drop a linear forward.
   def step(a, b, s):
@@ -137,6 +154,9 @@ def bench_layer(layer: MoeLayer, routing: str, impls: list[str], passes: list[st
   for pass_ in passes:
     times = {}
     errors = {}
+    if pass_ == "weight_gradient":
+      records += _bench_weight_gradient(layer, lhs, cotangent, sizes, impls, iterations, base)
+      continue
     for impl in impls:
       args = (lhs, rhs, sizes)
       if impl == "dense":
@@ -174,14 +194,58 @@ def bench_layer(layer: MoeLayer, routing: str, impls: list[str], passes: list[st
   return records
 
 
-def _best_jax_mgpu(lhs, rhs, sizes, iterations):
-  """JAX's ragged_dot_mgpu at the fastest of `JAX_MGPU_SWEEP` that runs here."""
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415 - needs CUDA.
+def _bench_weight_gradient(layer: MoeLayer, lhs, g, sizes, impls: list[str], iterations: int,
+                           base: dict) -> list[dict]:
+  """The weight gradient alone: (G, K, N), each group's `lhs_g.T @ g_g`."""
+  flops = 2 * layer.m * layer.k * layer.n
+  want = _xla_weight_gradient(lhs.astype(jnp.float32), g.astype(jnp.float32), sizes,
+                              layer.groups)
+  fns = dict(dense=lambda a, b, s: jnp.dot(a.T, b),
+             xla=functools.partial(_xla_weight_gradient, groups=layer.groups),
+             ours=_our_weight_gradient)
+  records, times = [], {}
+  for impl in impls:
+    extra = {}
+    if impl == "jax_mgpu":
+      from jax.experimental.pallas.ops.gpu import (  # noqa: PLC0415 - needs CUDA.
+        transposed_ragged_dot_mgpu,
+      )
+      fn, extra["config"] = _best_jax_mgpu(lhs, g, sizes, iterations,
+                                           transposed_ragged_dot_mgpu.transposed_ragged_dot)
+      if fn is None:
+        continue
+    elif impl in fns:
+      fn = fns[impl]
+    else:
+      continue  # tokamax's weight gradient runs only inside its vjp.
+    record = dict(base, impl=impl, **{"pass": "weight_gradient"}, **extra)
+    try:
+      timing, out = time_gpu(impl, fn, (lhs, g, sizes), flops=flops, iterations=iterations)
+    except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal.
+      records.append(dict(record, error=f"{type(e).__name__}: {e}"[:300]))
+      continue
+    times[impl] = timing
+    error = None if impl == "dense" else float(relative_error(out, want))
+    records.append(dict(record, median_us=timing.median_us, tflops=timing.tflops,
+                        rel_error=error))
+  if "dense" in times:
+    for r in records:
+      if "tflops" in r:
+        r["ratio_to_dense"] = r["tflops"] / times["dense"].tflops
+  return records
+
+
+def _best_jax_mgpu(lhs, rhs, sizes, iterations, kernel=None):
+  """JAX's ragged_dot_mgpu (or `kernel`, one of its signature) at the fastest
+  of `JAX_MGPU_SWEEP` that runs here."""
+  if kernel is None:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415 - needs CUDA.
+    kernel = ragged_dot_mgpu.ragged_dot
 
   best = (None, None, float("inf"))
   for block_m, block_n, block_k, steps, grid_block_n in JAX_MGPU_SWEEP:
     fn = functools.partial(
-        lambda a, b, s, **kw: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **kw),
+        lambda a, b, s, **kw: kernel(a, b, group_sizes=s, **kw),
         block_m=block_m, block_n=block_n, block_k=block_k, max_concurrent_steps=steps,
         grid_block_n=grid_block_n)
     try:

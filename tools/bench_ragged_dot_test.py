@@ -1,9 +1,16 @@
 """bench_ragged_dot's problems: routings that sum to M, layers from published configs."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+import simulator
+from core import testing
+from pipelines import matmul_test_base as base
 from tools import bench_ragged_dot as bench
+
+simulator.reserve_intra_op_threads()
 
 
 class RoutingTest(parameterized.TestCase):
@@ -27,6 +34,19 @@ class RoutingTest(parameterized.TestCase):
     self.assertGreaterEqual(max(groups), 60)
     self.assertTrue(any(layer.m <= 256 for layer in bench.LAYERS))
     self.assertGreaterEqual(len(bench.LAYERS), 6)
+
+
+class WeightGradientTest(testing.KernelTestCase):
+
+  def test_ours_and_xlas_are_the_same_gradient(self):
+    """What the weight_gradient pass times: the same (G, K, N) on both sides."""
+    lhs = testing.random_array(0, (200, 128), jnp.bfloat16)
+    g = testing.random_array(1, (200, 192), jnp.bfloat16)
+    sizes = jnp.array([70, 0, 100, 30], jnp.int32)
+    want = bench._xla_weight_gradient(lhs.astype(jnp.float32), g.astype(jnp.float32), sizes, 4)
+    with base.with_blocks(2):
+      got = self.run_kernel(jax.jit(bench._our_weight_gradient), lhs, g, sizes)
+    self.assert_close(got, want, dtype=jnp.bfloat16)
 
 
 if __name__ == "__main__":
