@@ -188,7 +188,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             delay_release: int = 0, layout: OperandLayout = NN,
                             addend_gmem=None, pre_activation_gmem=None, up_gmem=None,
                             up_product_gmem=None, group_tiles: GroupTiles | None = None,
-                            group_rows: GroupRows | None = None) -> None:
+                            group_rows: GroupRows | None = None,
+                            derivative_gmem=None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   With `up_gmem`, the gated unit instead: `out_gmem = epilogue(lhs_gmem @
@@ -231,7 +232,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       multiples of the CTA tile, since those loads are not masked. The
       caller makes sure it is written before the epilogue reads it.
     pre_activation_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also
-      receives the sum before the activation (for a backward pass).
+      receives the sum before the activation (for a gated unit's backward
+      pass).
     up_gmem: the up projection's RHS, of `rhs_gmem`'s shape and layout, or
       None. Both may be views of one fused weight (see
       `kernel_call.ws_gated_matmul`).
@@ -257,6 +259,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       of the RHS makes NaNs in a neighbour's gradient. Needs the layout TN,
       `config.wg_dimension` M, cluster_m = 1, k_splits = 1, and no bias,
       epilogue, gate or extra outputs.
+    derivative_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also
+      receives the activation's derivative at the sum (for a backward pass:
+      `Epilogue.keeps_derivative`).
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
@@ -271,16 +276,18 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
     raise ValueError(f"up_gmem must have rhs_gmem's shape {rhs_gmem.shape}, got {up_gmem.shape}")
   if k_splits > 1 and (bias_gmem is not None or epilogue != Epilogue()
                        or pipeline_callback is not None or addend_gmem is not None
-                       or pre_activation_gmem is not None or gated):
+                       or pre_activation_gmem is not None or derivative_gmem is not None
+                       or gated):
     raise ValueError(f"k_splits={k_splits} stores float32 partial sums: the bias, activation, "
-                     "addend, pre-activation and pipeline_callback belong to the caller")
+                     "addend, kept outputs and pipeline_callback belong to the caller")
   grouped = group_tiles is not None
   ragged_k = group_rows is not None
   if ragged_k and (grouped or config.cluster_m != 1 or k_splits != 1 or gated
                    or not layout.transpose_lhs or layout.transpose_rhs
                    or config.wg_dimension != MatmulDimension.M or epilogue != Epilogue()
                    or bias_gmem is not None or pipeline_callback is not None
-                   or addend_gmem is not None or pre_activation_gmem is not None):
+                   or addend_gmem is not None or pre_activation_gmem is not None
+                   or derivative_gmem is not None):
     raise ValueError(f"a ragged K (group_rows) needs a (K, M) LHS and a (K, N) RHS, "
                      f"wg_dimension=M, cluster_m=1, k_splits=1 and nothing else fused; got "
                      f"{config!r}, {layout=}")
@@ -372,9 +379,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       else:
         split_out = out_gmem.at[group] if ragged_k else out_gmem
       wg_out = split_out.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
-      wg_addend, wg_pre_activation, wg_up_product = (
+      wg_addend, wg_pre_activation, wg_up_product, wg_derivative = (
           None if gmem is None else gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
-          for gmem in (addend_gmem, pre_activation_gmem, up_product_gmem))
+          for gmem in (addend_gmem, pre_activation_gmem, up_product_gmem, derivative_gmem))
 
       def mma_step(indices, lhs_smem, *rhs_smems_and_accs):
         *rhs_smems, acc_refs = rhs_smems_and_accs
@@ -438,21 +445,22 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
             with jax.named_scope("epilogue"):
               store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue,
                              wg_addend, wg_pre_activation, up_blocks, wg_up_product,
-                             wg_rows, rows_smem)
+                             wg_rows, rows_smem, wg_derivative)
           if stores is None:
             run_epilogue()
           else:
             pl.when(stores)(run_epilogue)
 
       def store_zeros():
-        # The rows past a grouped matmul's groups: zeros in each output,
-        # without a K loop (a fresh accumulator holds zeros).
+        # The rows past a grouped matmul's groups: zeros in the output,
+        # without a K loop (a fresh accumulator holds zeros); a kept
+        # derivative there is the identity's, which no cotangent reaches.
         @functools.partial(pl.run_scoped, acc_refs=[
             accumulator((tile_m, config.rhs_tile_width))] * config.rhs_tiles_per_wg)
         def _zeros_scope(acc_refs):
           store_epilogue([acc_ref[...] for acc_ref in acc_refs], wg, wg_out, out_smem, None,
-                         config, Epilogue(), None, wg_pre_activation, None, None, wg_rows,
-                         rows_smem)
+                         config, Epilogue(), row_range=wg_rows, rows_smem=rows_smem,
+                         wg_derivative=wg_derivative)
 
       if ragged_k:
         # The pipeline picks the group's rows (`_operand_pipeline`'s k_start).

@@ -29,6 +29,7 @@ ACTIVATIONS = ("none", "relu", "gelu", "silu")
 # large accumulator would overflow or lose its low bits before the addition.
 BIAS_DTYPE = jnp.dtype(jnp.float32)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_CUBIC = 0.044715  # The tanh approximation's cubic coefficient.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,40 +54,62 @@ class Epilogue:
       case "relu":
         return jnp.maximum(x, 0.0)
       case "gelu":
-        # Written out (not jax.nn.gelu) so the kernel and the reference use
-        # the same formula, built only from ops Mosaic GPU lowers.
-        return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+        return 0.5 * x * (1.0 + _gelu_tanh(x))
       case "silu":
         return x / (1.0 + jnp.exp(-x))
     return x
 
   def derivative(self, x: jax.Array) -> jax.Array:
-    """d activation / dx at the float32 pre-activation `x` (outside a kernel)."""
+    """d activation / dx at the float32 pre-activation `x`."""
+    return self.apply_and_derivative(x)[1]
+
+  def apply_and_derivative(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(activation, its derivative) at the float32 pre-activation `x`, in a
+    kernel or outside one; the two share gelu's tanh and silu's sigmoid, so
+    an epilogue that writes both pays for one."""
     match self.activation:
       case "relu":
-        return (x > 0).astype(jnp.float32)
+        return jnp.maximum(x, 0.0), (x > 0).astype(jnp.float32)
       case "gelu":
-        inner = _SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
-        tanh = jnp.tanh(inner)
-        d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
-        return 0.5 * (1.0 + tanh) + 0.5 * x * (1.0 - tanh * tanh) * d_inner
+        tanh = _gelu_tanh(x)
+        d_inner = _SQRT_2_OVER_PI * (1.0 + 3 * _GELU_CUBIC * x * x)
+        half_x = 0.5 * x
+        return (half_x * (1.0 + tanh),
+                0.5 * (1.0 + tanh) + half_x * (1.0 - tanh * tanh) * d_inner)
       case "silu":
         sigmoid = 1.0 / (1.0 + jnp.exp(-x))
-        return sigmoid * (1.0 + x * (1.0 - sigmoid))
-    return jnp.ones_like(x)
+        return x * sigmoid, sigmoid * (1.0 + x * (1.0 - sigmoid))
+    return x, jnp.ones_like(x)
+
+  def second_derivative(self, x: jax.Array) -> jax.Array:
+    """d^2 activation / dx^2 at the float32 pre-activation `x` (outside a
+    kernel): what a second differentiation of a kept derivative needs."""
+    # Elementwise, so one forward-mode pass with unit tangents is the
+    # diagonal of the Jacobian.
+    return jax.jvp(self.derivative, (x,), (jnp.ones_like(x),))[1]
+
+  @property
+  def keeps_derivative(self) -> bool:
+    """Whether a differentiated forward keeps the activation's derivative
+    (written by its epilogue, `store_epilogue`'s `wg_derivative`): gelu's
+    and silu's need the pre-activation, which the output does not give
+    back; relu's is read off the output's sign and "none" has none."""
+    return self.activation in ("gelu", "silu")
 
   def sum_cotangent(self, out_cotangent: jax.Array, saved: jax.Array | None) -> jax.Array:
     """The float32 cotangent of the sum before the activation, from the output's.
 
-    `saved` is what the differentiated forward kept: the pre-activation for
-    gelu and silu, the output for relu (its derivative is read off the
-    sign), None for "none".
+    `saved` is what the differentiated forward kept: the activation's
+    derivative for gelu and silu (`keeps_derivative`), the output for relu
+    (its derivative is read off the sign), None for "none". So the backward's
+    elementwise work is one multiply, which XLA fuses with the bias's row
+    sum into one pass (computing gelu's derivative there took two).
     """
     g = out_cotangent.astype(jnp.float32)
     if self.activation == "relu":
       return jnp.where(saved > 0, g, 0.0)
     if self.activation != "none":
-      return g * self.derivative(saved.astype(jnp.float32))
+      return g * saved.astype(jnp.float32)
     return g
 
   def apply_to_sum(self, acc: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -98,6 +121,40 @@ class Epilogue:
     if bias is not None:
       acc = acc + bias.astype(jnp.float32)
     return self.apply(acc)
+
+
+def derivative_dtype(out_dtype) -> jnp.dtype:
+  """The dtype a kept derivative (`Epilogue.keeps_derivative`) is written in,
+  for an output of `out_dtype`: float32 for float32, else float16. gelu's and
+  silu's derivatives lie in [-0.2, 1.2], where float16 keeps three more bits
+  than bfloat16 in the same bytes: a bfloat16 derivative made the gradients
+  of a bf16 layer measurably less accurate than the kept pre-activation did;
+  a float16 one does not (docs/performance-log.md, "The kept derivative")."""
+  return jnp.dtype(jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else jnp.float16)
+
+
+def derivative_words(derivative: jax.Array, out_dtype) -> jax.Array:
+  """A float32 derivative as the kernel writes it beside an output of
+  `out_dtype`: in `derivative_dtype`, as words of `out_dtype`. The epilogue
+  stages it through the output's SMEM tiles, so a float16 derivative of a
+  bfloat16 output travels as bfloat16 words of the same bits
+  (`kept_derivative` turns them back)."""
+  kept = derivative.astype(derivative_dtype(out_dtype))
+  out_dtype = jnp.dtype(out_dtype)
+  return kept if kept.dtype == out_dtype else lax.bitcast_convert_type(kept, out_dtype)
+
+
+def kept_derivative(words: jax.Array, out_dtype) -> jax.Array:
+  """The derivative a kernel wrote as `derivative_words` (a bitcast, no copy)."""
+  dtype = derivative_dtype(out_dtype)
+  return words if words.dtype == dtype else lax.bitcast_convert_type(words, dtype)
+
+
+def _gelu_tanh(x: jax.Array) -> jax.Array:
+  # The tanh approximation's tanh, written out (not jax.nn.gelu) so the
+  # kernel and the reference use the same formula, built only from ops
+  # Mosaic GPU lowers.
+  return jnp.tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x))
 
 
 def output_swizzle(config, out_gmem) -> int:
@@ -158,7 +215,8 @@ def _store_rows(x, first: jax.Array, end: jax.Array, rows_smem, gmem_tile) -> No
 
 def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,
                    wg_addend=None, wg_pre_activation=None, up_blocks=None,
-                   wg_up_product=None, row_range=None, rows_smem=None) -> None:
+                   wg_up_product=None, row_range=None, rows_smem=None,
+                   wg_derivative=None) -> None:
   """Applies `epilogue` to a compute warpgroup's accumulator and stores it with TMA.
 
   Runs in compute warpgroup `wg` of a matmul kernel, after its K loop.
@@ -190,6 +248,11 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
     wg_up_product: (tile_m, tile_n) GMEM ref of the output's dtype, or None:
       receives the up projection (for a backward pass), as
       `wg_pre_activation` receives the gate's pre-activation.
+    wg_derivative: (tile_m, tile_n) GMEM ref of the output's dtype, or None:
+      receives the activation's derivative at the pre-activation (for a
+      backward pass: `Epilogue.keeps_derivative`), computed with the
+      activation (`Epilogue.apply_and_derivative`) and stored through the
+      same staging slots just before the output, as `derivative_words`.
     row_range: the rows [first, end) of the tile to store (traced int32, 0
       <= first <= end <= tile_m), or None for all (TMA still masks those
       past the array). The other rows belong to someone else (a grouped
@@ -201,7 +264,8 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
   n_sub = config.tile_n // epi_n
   block_n = config.tile_n // len(acc_blocks)
   slots = config.epilogue_slots
-  stores_per_sub_tile = 1 + (wg_pre_activation is not None) + (wg_up_product is not None)
+  stores_per_sub_tile = 1 + sum(gmem is not None for gmem in (wg_pre_activation, wg_up_product,
+                                                               wg_derivative))
   num_stores = (config.tile_m // epi_m) * n_sub * stores_per_sub_tile
   store = 0
 
@@ -259,7 +323,12 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
       sub_tile = (pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n))
       if wg_pre_activation is not None:
         stage_and_store(x, wg_pre_activation.at[sub_tile], sub_tile_rows)
-      x = epilogue.apply(x)
+      if wg_derivative is not None:
+        x, derivative = epilogue.apply_and_derivative(x)
+        stage_and_store(derivative_words(derivative, out_smem.dtype),
+                        wg_derivative.at[sub_tile], sub_tile_rows)
+      else:
+        x = epilogue.apply(x)
       if up_blocks is not None:
         up = up_blocks[block][i * epi_m:(i + 1) * epi_m, col:col + epi_n]
         if wg_up_product is not None:

@@ -42,7 +42,7 @@ from pipelines.cooperative_matmul_sm90 import (
   emit_cooperative_matmul,
   pipeline_buffer_names,
 )
-from pipelines.epilogue import BIAS_DTYPE, Epilogue
+from pipelines.epilogue import BIAS_DTYPE, Epilogue, derivative_dtype, kept_derivative
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
@@ -186,7 +186,7 @@ def empty_result(problem: operands.MatmulProblem, out_dtype, operands_in: tuple,
 def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
               config: TuningConfig, epilogue: Epilogue = Epilogue(),
               out_dtype=None, layout: operands.OperandLayout = operands.NN,
-              keep_pre_activation: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+              keep_derivative: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """`epilogue(op(lhs) @ op(rhs) + bias)` with the warp-specialized kernel and a given config.
 
   Where M, N or K is 0 no kernel runs: the result is what `jnp.dot` gives
@@ -212,13 +212,14 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       kernel, or with `config.k_splits` > 1 into the XLA sum of the partials.
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
     layout: how lhs and rhs are stored (`operands.OperandLayout`).
-    keep_pre_activation: also return the pre-activation `op(lhs) @ op(rhs) +
-      bias` (what the activation's derivative needs), written by the same
-      epilogue in `out_dtype`.
+    keep_derivative: also return the activation's derivative at the
+      pre-activation `op(lhs) @ op(rhs) + bias` (what a backward pass
+      needs), written by the same epilogue in
+      `epilogue.derivative_dtype(out_dtype)`.
 
   Returns:
     (M, N) array of `out_dtype`, accumulated in float32; with
-    `keep_pre_activation`, a pair (output, pre-activation) of such arrays.
+    `keep_derivative`, a pair (output, (M, N) derivative).
   """
   if (bias is not None) != epilogue.has_bias:
     raise ValueError(f"bias is {'given' if bias is not None else 'missing'} but "
@@ -228,9 +229,10 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
                   has_bias=bias is not None)
   if problem.is_empty:
     out = empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
-    if not keep_pre_activation:
+    if not keep_derivative:
       return out
-    return out, empty_result(problem, out_dtype, (lhs, rhs), bias, Epilogue())
+    pre_activation = empty_result(problem, jnp.float32, (lhs, rhs), bias, Epilogue())
+    return out, epilogue.derivative(pre_activation).astype(derivative_dtype(out_dtype))
   store_dtype = config.store_dtype(out_dtype)
   sizes = ws_tma_sizes(config, problem, out_dtype)
   lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, sizes)
@@ -240,14 +242,13 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   emit = (emit_pingpong_matmul if config.schedule == Schedule.PINGPONG
           else emit_cooperative_matmul)
 
-  kernel_keeps_pre_activation = keep_pre_activation and config.fuses_epilogue
-  num_outputs = 2 if kernel_keeps_pre_activation else 1
+  kernel_keeps_derivative = keep_derivative and config.fuses_epilogue
+  num_outputs = 2 if kernel_keeps_derivative else 1
 
   def body(lhs_gmem, rhs_gmem, *rest):
-    bias_gmem, (out_gmem, *pre_activation_gmem) = rest[:-num_outputs], rest[-num_outputs:]
+    bias_gmem, (out_gmem, *derivative_gmem) = rest[:-num_outputs], rest[-num_outputs:]
     emit(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=kernel_epilogue,
-         layout=layout, pre_activation_gmem=pre_activation_gmem[0] if pre_activation_gmem
-         else None)
+         layout=layout, derivative_gmem=derivative_gmem[0] if derivative_gmem else None)
 
   splits = (config.k_splits,) if config.k_splits > 1 else ()
   work_items = num_work_items(config, pl.cdiv(padded_m, config.cta_tile_m),
@@ -263,11 +264,14 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
     # One XLA fusion reads the partials once: sum, bias, activation, cast.
     pre_activation = Epilogue().apply_to_sum(outs[0][:, :m, :n].sum(axis=0),
                                              None if bias is None else bias[:n])
-    outs = (epilogue.apply(pre_activation).astype(out_dtype),
-            *((pre_activation.astype(out_dtype),) if keep_pre_activation else ()))
+    out, derivative = epilogue.apply_and_derivative(pre_activation)
+    outs = (out.astype(out_dtype),
+            *((derivative.astype(derivative_dtype(out_dtype)),) if keep_derivative else ()))
   else:
     outs = tuple(out if out.shape == (m, n) else out[:m, :n] for out in outs)
-  return outs if keep_pre_activation else outs[0]
+    if keep_derivative:
+      outs = (outs[0], kept_derivative(outs[1], out_dtype))
+  return outs if keep_derivative else outs[0]
 
 
 def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | None, *,
@@ -365,7 +369,7 @@ def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | Non
 
 def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                      config: TuningConfig, epilogue: Epilogue = Epilogue(), out_dtype=None,
-                     transpose_rhs: bool = False, keep_pre_activation: bool = False):
+                     transpose_rhs: bool = False, keep_derivative: bool = False):
   """The grouped matmul: `epilogue(lhs[rows of g] @ op(rhs[g]))` for each group g, in one kernel.
 
   The rows of `lhs` are grouped in order, group g holding `group_sizes[g]`
@@ -382,12 +386,14 @@ def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     epilogue: the activation (no bias: `epilogue.has_bias` must be False).
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
     transpose_rhs: whether each weight is stored (N, K).
-    keep_pre_activation: also return the pre-activation (the product),
-      written by the same epilogue in `out_dtype`.
+    keep_derivative: also return the activation's derivative at the
+      product, written by the same epilogue in
+      `epilogue.derivative_dtype(out_dtype)` (that of the identity at the
+      rows past the groups).
 
   Returns:
     (M, N) array of `out_dtype`, accumulated in float32; with
-    `keep_pre_activation`, a pair (output, pre-activation).
+    `keep_derivative`, a pair (output, (M, N) derivative).
   """
   if epilogue.has_bias:
     raise ValueError("the grouped matmul takes no bias (epilogue.has_bias must be False)")
@@ -395,10 +401,12 @@ def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   problem, out_dtype, _ = _check_call(lhs, jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype), None,
                                       out_dtype, layout)
   check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype, grouped=True)
-  num_outputs = 2 if keep_pre_activation else 1
+  num_outputs = 2 if keep_derivative else 1
   if problem.is_empty:  # Every product is zeros, and act(0) = 0.
-    zeros = empty_result(problem, out_dtype, (lhs, rhs, group_sizes))
-    return (zeros,) * num_outputs if keep_pre_activation else zeros
+    zeros = empty_result(problem, jnp.float32, (lhs, rhs, group_sizes))
+    if not keep_derivative:
+      return zeros.astype(out_dtype)
+    return zeros.astype(out_dtype), epilogue.derivative(zeros).astype(derivative_dtype(out_dtype))
   sizes = ws_tma_sizes(config, problem, out_dtype)
   lhs = operands.pad_operands(lhs, None, None, sizes)[0]
   if rhs.shape[1:] != sizes.rhs:
@@ -409,10 +417,10 @@ def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   tiles = group_tiles(group_sizes, m, config.cta_tile_m)
 
   def body(lhs_gmem, rhs_gmem, group_gmem, row_start_gmem, rows_gmem, out_gmem,
-           *pre_activation_gmem):
+           *derivative_gmem):
     emit_cooperative_matmul(
         lhs_gmem, rhs_gmem, out_gmem, config=config, epilogue=epilogue, layout=layout,
-        pre_activation_gmem=pre_activation_gmem[0] if pre_activation_gmem else None,
+        derivative_gmem=derivative_gmem[0] if derivative_gmem else None,
         group_tiles=GroupTiles(group=group_gmem, row_start=row_start_gmem, rows=rows_gmem))
 
   work_items = tiles.group.shape[0] * pl.cdiv(padded_n, config.cta_tile_n)
@@ -422,7 +430,9 @@ def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       name=f"ws_ragged_matmul_{layout.name}")
   outs = tuple(out if out.shape == (m, n) else out[:m, :n]
                for out in kernel(lhs, rhs, tiles.group, tiles.row_start, tiles.rows))
-  return outs if keep_pre_activation else outs[0]
+  if not keep_derivative:
+    return outs[0]
+  return outs[0], kept_derivative(outs[1], out_dtype)
 
 
 def ws_ragged_k_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,

@@ -77,11 +77,11 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   this kernel in the layouts that read the saved operands as stored, with
   their own configs (the cache or heuristic for their shapes; `config`
   applies to the forward product only); d bias sums the rows. The
-  activation's derivative is applied to the output cotangent in float32,
-  at the pre-activation for gelu and silu, which the forward kernel's
-  epilogue writes beside the output (in `out_dtype`, as a bf16 model keeps
-  its pre-activation) only when the forward is differentiated, and read off
-  the saved output for relu. The cotangent then enters the backward
+  activation's derivative multiplies the output cotangent in float32: for
+  gelu and silu the forward kernel's epilogue writes it beside the output
+  (in float16, or float32 for a float32 output: `epilogue.derivative_dtype`)
+  only when the forward is differentiated, and for relu it
+  is read off the saved output. The cotangent then enters the backward
   products in the operand dtype.
   Forward-mode differentiation (`jax.jvp`) is not supported.
 
@@ -106,7 +106,6 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
 def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
                          layout: operands.OperandLayout):
   run = _make_batchable(config, epilogue, out_dtype, layout)
-  keeps_pre_activation = epilogue.activation in ("gelu", "silu")
 
   @jax.custom_vjp
   def differentiable(lhs, rhs, bias):
@@ -115,13 +114,16 @@ def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
   def forward(lhs, rhs, bias):
     # Through a custom_vjp, so that differentiating this backward pass again
     # (grad of grad) never reaches the kernel's own rule-less primitive.
-    if keeps_pre_activation:
+    if epilogue.keeps_derivative:
       # gelu's and silu's derivatives need the pre-activation: the forward
-      # kernel's epilogue writes it beside the output, in the output dtype,
-      # rather than the backward recomputing it with a whole extra matmul.
-      out, pre_activation = _make_keeping_pre_activation(config, epilogue, out_dtype,
-                                                         layout)(lhs, rhs, bias)
-      return out, (lhs, rhs, bias, pre_activation)
+      # kernel's epilogue writes the derivative beside the output, in the
+      # output dtype, rather than the backward recomputing the pre-activation
+      # with a whole extra matmul. Keeping the derivative rather than the
+      # pre-activation leaves the backward one multiply (a single XLA pass
+      # with d bias; gelu's derivative there took two).
+      out, derivative = _make_keeping_derivative(config, epilogue, out_dtype,
+                                                 layout)(lhs, rhs, bias)
+      return out, (lhs, rhs, bias, derivative)
     out = differentiable(lhs, rhs, bias)
     # relu's derivative is read off the output, which costs nothing to keep.
     return out, (lhs, rhs, bias, out if epilogue.activation == "relu" else None)
@@ -134,42 +136,51 @@ def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
 
 
 @functools.cache
-def _make_keeping_pre_activation(config: TuningConfig, epilogue: Epilogue, out_dtype,
-                                 layout: operands.OperandLayout):
-  """(output, pre-activation) from one kernel, differentiable in both."""
-  run = _make_batchable(config, epilogue, out_dtype, layout, keep_pre_activation=True)
+def _make_keeping_derivative(config: TuningConfig, epilogue: Epilogue, out_dtype,
+                             layout: operands.OperandLayout):
+  """(output, the activation's derivative) from one kernel, differentiable in both."""
+  run = _make_batchable(config, epilogue, out_dtype, layout, keep_derivative=True)
 
   @jax.custom_vjp
   def keeping(lhs, rhs, bias):
     return run(lhs, rhs, bias)
 
   def forward(lhs, rhs, bias):
-    out, pre_activation = keeping(lhs, rhs, bias)
-    return (out, pre_activation), (lhs, rhs, bias, pre_activation)
+    out, derivative = keeping(lhs, rhs, bias)
+    return (out, derivative), (lhs, rhs, bias, derivative)
 
   def backward(residuals, cotangents):
-    out_cotangent, pre_activation_cotangent = cotangents
-    return _backward(epilogue, layout, residuals, out_cotangent, pre_activation_cotangent)
+    out_cotangent, derivative_cotangent = cotangents
+    lhs, rhs, bias, _ = residuals
+    # Reached only by a second differentiation (the first backward reads the
+    # derivative): the derivative's own cotangent needs the second
+    # derivative at the pre-activation, which is not kept, so it is
+    # recomputed here with one more product, in float32.
+    pre_activation = matmul(lhs, rhs, bias, out_dtype=jnp.float32,
+                            transpose_lhs=layout.transpose_lhs,
+                            transpose_rhs=layout.transpose_rhs)
+    extra = derivative_cotangent.astype(jnp.float32) * epilogue.second_derivative(pre_activation)
+    return _backward(epilogue, layout, residuals, out_cotangent, extra)
 
   keeping.defvjp(forward, backward)
   return keeping
 
 
 def _backward(epilogue: Epilogue, layout: operands.OperandLayout, residuals, out_cotangent,
-              pre_activation_cotangent=None):
-  """(d lhs, d rhs, d bias) from the output's cotangent (and the
-  pre-activation's, where the pre-activation is an output too).
+              extra_cotangent=None):
+  """(d lhs, d rhs, d bias) from the output's cotangent, plus `extra_cotangent`
+  (float32 (M, N) or None) for the sum before the activation.
 
-  `residuals` is (lhs, rhs, bias, saved): `saved` is the pre-activation for
-  gelu and silu, the output for relu, None otherwise. The activation's
-  derivative and the bias's row sum are elementwise work that XLA fuses into
-  one pass over the cotangent; the cotangent then enters the backward
-  products in the operand dtype.
+  `residuals` is (lhs, rhs, bias, saved): `saved` is the activation's
+  derivative for gelu and silu, the output for relu, None otherwise. The
+  product with the derivative and the bias's row sum are elementwise work
+  that XLA fuses into one pass over the cotangent; the cotangent then enters
+  the backward products in the operand dtype.
   """
   lhs, rhs, bias, saved = residuals
   g = epilogue.sum_cotangent(out_cotangent, saved)
-  if pre_activation_cotangent is not None:
-    g = g + pre_activation_cotangent.astype(jnp.float32)
+  if extra_cotangent is not None:
+    g = g + extra_cotangent
   g = g.astype(lhs.dtype)
   # d bias sums the rounded cotangent that the products also take (in
   # float32), as XLA's autodiff of the same model does: summing the float32
@@ -200,10 +211,10 @@ def operand_cotangents(lhs, rhs, g, layout: operands.OperandLayout):
 
 @functools.cache
 def _make_batchable(config: TuningConfig, epilogue: Epilogue, out_dtype,
-                    layout: operands.OperandLayout, keep_pre_activation: bool = False):
+                    layout: operands.OperandLayout, keep_derivative: bool = False):
   def run(lhs, rhs, bias):
     return kernel_call.ws_matmul(lhs, rhs, bias, config=config, epilogue=epilogue,
                                  out_dtype=out_dtype, layout=layout,
-                                 keep_pre_activation=keep_pre_activation)
+                                 keep_derivative=keep_derivative)
 
   return batch_as_rows(run, lhs_rows_leading=not layout.transpose_lhs)

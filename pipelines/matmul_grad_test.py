@@ -98,13 +98,27 @@ class MatmulGradTest(testing.KernelTestCase):
     with interpret.interpret_disabled():
       text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(lhs, rhs, bias).lower(
           lowering_platforms=("cuda",)).as_text()
-    # The forward product (which also writes the pre-activation), d lhs and
+    # The forward product (which also writes the derivative), d lhs and
     # d rhs: no product is recomputed.
     self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 3)
     self.assertNotIn("stablehlo.transpose", text)
 
+  @parameterized.parameters(("gelu", "stablehlo.tanh"), ("silu", "stablehlo.exponential"))
+  def test_backward_multiplies_by_the_kept_derivative(self, activation, activation_op):
+    """Outside the kernels the backward evaluates no activation: the
+    derivative comes from the forward's epilogue, so XLA is left one
+    multiply, fused with d bias into one pass."""
+    lhs, rhs = base.operands(58, 128, 64, 192, jnp.bfloat16)
+    bias = testing.random_array(59, (192,), jnp.float32)
+    weights = testing.random_array(60, (128, 192), jnp.float32)
+    loss, _ = loss_and_reference(activation=activation, has_bias=True, out_dtype=jnp.bfloat16,
+                                 layout=base.NN, weights=weights)
+    text = testing.lowered_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), lhs, rhs, bias)
+    self.assertEqual(testing.mosaic_kernel_count(text), 3)
+    self.assertNotIn(activation_op, text)
+
   @parameterized.parameters("gelu", "silu")
-  def test_only_a_differentiated_forward_writes_the_pre_activation(self, activation):
+  def test_only_a_differentiated_forward_writes_the_derivative(self, activation):
     """The kernel writes a second (M, N) output under `jax.grad` and none without."""
     lhs, rhs = base.operands(42, 128, 64, 192, jnp.bfloat16)
     bias = testing.random_array(43, (192,), jnp.float32)
@@ -128,7 +142,7 @@ class MatmulGradTest(testing.KernelTestCase):
                         schedule=Schedule.PINGPONG)),
       ("split_k", dict(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, k_splits=2)),
   )
-  def test_kept_pre_activation_of_each_schedule(self, config_fields):
+  def test_kept_derivative_of_each_schedule(self, config_fields):
     """Both outputs of the epilogue, on ragged shapes with several tiles per
     block, so a tile's stores of two outputs meet the previous tile's."""
     m, k, n = 200, 192, 328
@@ -136,17 +150,17 @@ class MatmulGradTest(testing.KernelTestCase):
     bias = testing.random_array(57, (n,), jnp.float32)
     epilogue = Epilogue(activation="gelu", has_bias=True)
     with base.with_blocks(2):
-      out, pre_activation = self.run_kernel(functools.partial(
+      out, derivative = self.run_kernel(functools.partial(
           ws_matmul, config=TuningConfig(**config_fields), epilogue=epilogue,
-          keep_pre_activation=True), lhs, rhs, bias)
+          keep_derivative=True), lhs, rhs, bias)
     f32 = (lhs.astype(jnp.float32), rhs.astype(jnp.float32))
     self.assert_close(out, matmul_reference(*f32, bias, epilogue=epilogue), dtype=jnp.bfloat16)
-    self.assert_close(pre_activation, matmul_reference(*f32, bias,
-                                                       epilogue=Epilogue(has_bias=True)),
-                      dtype=jnp.bfloat16)
+    pre_activation = matmul_reference(*f32, bias, epilogue=Epilogue(has_bias=True))
+    self.assertEqual(derivative.dtype, jnp.float16)  # Bits that bfloat16 lacks, in its bytes.
+    self.assert_close(derivative, epilogue.derivative(pre_activation), dtype=jnp.float16)
 
   @parameterized.parameters("gelu", "silu")
-  def test_grad_of_grad_through_the_kept_pre_activation(self, activation):
+  def test_grad_of_grad_through_the_kept_derivative(self, activation):
     lhs, rhs = base.operands(53, 64, 64, 64, jnp.bfloat16)
     bias = testing.random_array(54, (64,), jnp.float32)
 
@@ -163,6 +177,18 @@ class MatmulGradTest(testing.KernelTestCase):
         lhs.astype(jnp.float32), rhs.astype(jnp.float32), bias)
     for g, w in zip(got, want, strict=True):
       self.assert_close(g, w, dtype=jnp.bfloat16, tolerance=3e-2)
+
+  @parameterized.parameters(*ACTIVATIONS)
+  def test_epilogue_derivatives_are_autodiffs_of_the_activation(self, activation):
+    epilogue = Epilogue(activation=activation)
+    x = testing.random_array(61, (4096,), jnp.float32, scale=3.0)
+    value, derivative = epilogue.apply_and_derivative(x)
+    np.testing.assert_allclose(value, epilogue.apply(x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(derivative, jax.vmap(jax.grad(epilogue.apply))(x),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(epilogue.second_derivative(x),
+                               jax.vmap(jax.grad(jax.grad(epilogue.apply)))(x),
+                               rtol=1e-4, atol=1e-5)
 
   def test_jvp_raises_one_clear_error(self):
     lhs, rhs = base.operands(45, 64, 64, 64, jnp.bfloat16)

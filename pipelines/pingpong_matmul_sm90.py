@@ -72,7 +72,7 @@ def pingpong_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_bias
 
 def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config: TuningConfig,
                          epilogue: Epilogue = Epilogue(), layout: OperandLayout = NN,
-                         pre_activation_gmem=None) -> None:
+                         derivative_gmem=None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + bias_gmem)` inside a kernel.
 
   Must be called from a kernel built by `kernel_call.persistent_kernel`
@@ -88,8 +88,9 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
     config: a `TuningConfig` with `schedule=Schedule.PINGPONG`.
     layout: how lhs_gmem and rhs_gmem are stored; transposed operands are
       loaded as stored and handed to wgmma as transposed SMEM views.
-    pre_activation_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also
-      receives the sum before the activation (for a backward pass).
+    derivative_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also
+      receives the activation's derivative at the sum (for a backward pass:
+      `Epilogue.keeps_derivative`).
   """
   k, m = lhs_gmem.shape if layout.transpose_lhs else lhs_gmem.shape[::-1]
   n = rhs_gmem.shape[0] if layout.transpose_rhs else rhs_gmem.shape[1]
@@ -207,10 +208,10 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
             if bias_gmem is not None:
               plgpu.barrier_wait(bias_loaded.at[wg])
             m_slice = pl.ds(m_tile * tile_m, tile_m)
-            wg_pre_activation = (None if pre_activation_gmem is None
-                                 else pre_activation_gmem.at[m_slice, n_slice])
+            wg_derivative = (None if derivative_gmem is None
+                             else derivative_gmem.at[m_slice, n_slice])
             store_epilogue((acc,), wg, out_gmem.at[m_slice, n_slice], out_smem, bias_smem,
-                           config, epilogue, wg_pre_activation=wg_pre_activation)
+                           config, epilogue, wg_derivative=wg_derivative)
 
       tile_loop(compute_tile)
       # The last tile's stores must be done reading SMEM before the kernel

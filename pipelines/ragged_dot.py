@@ -109,9 +109,12 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   included; M, N or K of 0 give what `jax.lax.ragged_dot` gives. Gradients
   (`jax.grad`, `jax.vjp`): d lhs is this kernel on the cotangent and the
   weights as stored; d rhs is this kernel with a ragged K (each group's
-  `lhs.T @ cotangent` over its rows, read as stored); an
-  activation's derivative is applied in float32 at the pre-activation,
-  which the differentiated forward's epilogue writes in `out_dtype`.
+  `lhs.T @ cotangent` over its rows, read as stored); an activation's
+  derivative multiplies the cotangent in float32, written by the
+  differentiated forward's epilogue in `out_dtype`. In d rhs a non-finite
+  value in `lhs` or the cotangent may reach the gradient of the
+  neighbouring group (the kernel zeroes the other groups' rows of only one
+  operand).
 
   Returns:
     (M, N) array of `out_dtype`, accumulated in float32.
@@ -139,22 +142,21 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 @functools.cache
 def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
                          transpose_rhs: bool):
-  keeps_pre_activation = epilogue.activation in ("gelu", "silu")
-
-  def run(lhs, rhs, group_sizes, keep_pre_activation=False):
+  def run(lhs, rhs, group_sizes, keep_derivative=False):
     return kernel_call.ws_ragged_matmul(lhs, rhs, group_sizes, config=config, epilogue=epilogue,
                                         out_dtype=out_dtype, transpose_rhs=transpose_rhs,
-                                        keep_pre_activation=keep_pre_activation)
+                                        keep_derivative=keep_derivative)
 
   @jax.custom_vjp
   def differentiable(lhs, rhs, group_sizes):
     return run(lhs, rhs, group_sizes)
 
   def forward(lhs, rhs, group_sizes):
-    if keeps_pre_activation:
+    if epilogue.keeps_derivative:
       # gelu's and silu's derivatives need the pre-activation: the epilogue
-      # writes it beside the output instead of a second grouped matmul.
-      out, saved = run(lhs, rhs, group_sizes, keep_pre_activation=True)
+      # writes the derivative beside the output instead of a second grouped
+      # matmul recomputing the pre-activation.
+      out, saved = run(lhs, rhs, group_sizes, keep_derivative=True)
     else:
       out = run(lhs, rhs, group_sizes)
       saved = out if epilogue.activation == "relu" else None
