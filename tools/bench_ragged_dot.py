@@ -82,7 +82,7 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "out", "Where results go; relative to 
 _LAYERS = flags.DEFINE_list("layers", [layer.name for layer in LAYERS], "MoE layers to time.")
 _ROUTINGS = flags.DEFINE_list("routings", list(ROUTINGS), "Routings: balanced, skewed.")
 _IMPLS = flags.DEFINE_list("impls", list(IMPLS), "Implementations to time.")
-_PASSES = flags.DEFINE_list("passes", list(PASSES), "Passes: forward, forward_backward.")
+_PASSES = flags.DEFINE_list("passes", list(PASSES), "Passes: " + ", ".join(PASSES) + ".")
 _ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed calls per implementation.")
 
 
