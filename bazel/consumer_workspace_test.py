@@ -1,15 +1,14 @@
-"""Builds and tests the other workspace of README.md, made from the README's own text.
+"""Builds and tests the other workspace of docs/bazel-workspace.md, made from that page's text.
 
-README.md's section "Depending on our targets from another workspace" shows that workspace's
-files (fenced blocks whose first line is `# FILENAME`) and the command to run in it (the
-`sh` block). This test parses that section at run time, writes each file as it is, with
-only `/path/to/mgpu_kernels` replaced by the real root of this repository, adds a
-`.bazelversion` (which Debian's `bazel` launcher would reject) and runs the command: it
-must pass and run the README's test.
+docs/bazel-workspace.md shows that workspace's files (fenced blocks whose first line is
+`# FILENAME`) and the command to run in it (the `sh` block). This test parses the page at
+run time, writes each file as it is, with only `/path/to/mgpu_kernels` replaced by the
+real root of this repository, adds a `.bazelversion` (which Debian's `bazel` launcher
+would reject) and runs the command: it must pass and run the page's test.
 
 The nested Bazel reuses this test's interpreter (MGPU_PYTHON = sys.executable), so it
 installs nothing, and gets its own output root under TEST_TMPDIR (startup options added to
-the README's command). It needs the real workspace and a Bazel that bazelw finds or
+the page's command). It needs the real workspace and a Bazel that bazelw finds or
 installs: the target is tagged "local".
 """
 
@@ -21,12 +20,12 @@ import sys
 
 from absl.testing import absltest
 
-SECTION = "Depending on our targets from another workspace"
+PAGE = "docs/bazel-workspace.md"
 PLACEHOLDER = "/path/to/mgpu_kernels"
 # Below the 60 s of the target's size, "small" (the nested run takes about 12 s).
 NESTED_TIMEOUT_S = 50
-# What the README's test prints (a line of its matmul_test.py).
-README_MARKER = "mgpu_kernels matmul: OK"
+# What the page's test prints (a line of its matmul_test.py).
+PAGE_MARKER = "mgpu_kernels matmul: OK"
 
 # Environment variables handed to the nested Bazel; everything else (TEST_*, RUNFILES_*,
 # PYTHONPATH, ... of this test) stays out.
@@ -63,12 +62,10 @@ def repository_root() -> str:
     return os.path.dirname(os.path.dirname(real))
 
 
-def readme_section(readme: str, title: str = SECTION) -> str:
-    """The text of the `## title` section of a README, up to the next `## ` heading."""
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", readme, re.M | re.S)
-    if not match:
-        raise ValueError(f"README.md has no section '## {title}'")
-    return match.group(1)
+def read_page(root: str) -> str:
+    """The text of docs/bazel-workspace.md in the repository at `root`."""
+    with open(os.path.join(root, PAGE), encoding="utf-8") as f:
+        return f.read()
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
@@ -76,14 +73,14 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
     return re.findall(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)
 
 
-def consumer_workspace(section: str, root: str) -> tuple[dict[str, str], list[str]]:
-    """The files ({name: text}) and the command lines of the README section.
+def consumer_workspace(page: str, root: str) -> tuple[dict[str, str], list[str]]:
+    """The files ({name: text}) and the command lines of the page.
 
     A block whose first line is `# NAME` (one word) is the file NAME; an `sh` block holds
     commands, one a line. PLACEHOLDER is replaced by `root` everywhere.
     """
     files, commands = {}, []
-    for language, body in fenced_blocks(section):
+    for language, body in fenced_blocks(page):
         body = body.replace(PLACEHOLDER, root)
         first = body.split("\n", 1)[0]
         name = re.fullmatch(r"# ([\w.-]+)", first)
@@ -91,15 +88,15 @@ def consumer_workspace(section: str, root: str) -> tuple[dict[str, str], list[st
             commands += [line for line in body.split("\n") if line.strip()]
         elif name:
             if name.group(1) in files:
-                raise ValueError(f"two README blocks for {name.group(1)}")
+                raise ValueError(f"{PAGE}: two blocks for {name.group(1)}")
             files[name.group(1)] = body
         else:
-            raise ValueError(f"README block names no file (`# NAME` first line): {first!r}")
+            raise ValueError(f"{PAGE}: a block names no file (`# NAME` first line): {first!r}")
     for required in ("WORKSPACE", "BUILD.bazel"):
         if required not in files:
-            raise ValueError(f"the README section has no `# {required}` block")
+            raise ValueError(f"{PAGE} has no `# {required}` block")
     if len(commands) != 1:
-        raise ValueError(f"the README section should have one command, has {commands}")
+        raise ValueError(f"{PAGE} should have one command, has {commands}")
     return files, commands
 
 
@@ -114,9 +111,9 @@ def _remove_tree(path: str) -> None:
         shutil.rmtree(path, onexc=make_writable_and_retry)
 
 
-class ReadmeParsingTest(absltest.TestCase):
+class PageParsingTest(absltest.TestCase):
     def test_parses_files_and_command(self):
-        section = "\n".join([
+        page = "\n".join([
             "text",
             "```python",
             "# WORKSPACE",
@@ -130,23 +127,21 @@ class ReadmeParsingTest(absltest.TestCase):
             "/path/to/mgpu_kernels/bazelw test //...",
             "```",
         ])
-        files, commands = consumer_workspace(section, "/root/x")
+        files, commands = consumer_workspace(page, "/root/x")
         self.assertEqual(sorted(files), ["BUILD.bazel", "WORKSPACE"])
         self.assertIn('path = "/root/x"', files["WORKSPACE"])
         self.assertEqual(commands, ["/root/x/bazelw test //..."])
 
-    def test_readme_has_the_section(self):
-        with open(os.path.join(repository_root(), "README.md"), encoding="utf-8") as f:
-            files, commands = consumer_workspace(readme_section(f.read()), "/root/x")
+    def test_page_has_the_workspace(self):
+        files, commands = consumer_workspace(read_page(repository_root()), "/root/x")
         self.assertIn("mgpu_kernels_repositories()", files["WORKSPACE"])
         self.assertTrue(commands[0].startswith("/root/x/bazelw "), commands)
 
 
 class ConsumerWorkspaceTest(absltest.TestCase):
-    def test_readme_workspace(self):
+    def test_page_workspace(self):
         root = repository_root()
-        with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
-            files, (command,) = consumer_workspace(readme_section(f.read()), root)
+        files, (command,) = consumer_workspace(read_page(root), root)
         with open(os.path.join(root, ".bazelversion"), encoding="utf-8") as f:
             files.setdefault(".bazelversion", f.read())
 
@@ -191,7 +186,7 @@ class ConsumerWorkspaceTest(absltest.TestCase):
         print(output[-8000:])
         self.assertEqual(result.returncode, 0, f"`{command}` failed, output above")
         self.assertRegex(output, r"//:matmul_test\s+PASSED")
-        self.assertIn(README_MARKER, output)
+        self.assertIn(PAGE_MARKER, output)
         # The nested workspace ran on this interpreter: it reused our environment.
         self.assertNotIn("pip install", output)
 

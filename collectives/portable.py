@@ -9,8 +9,8 @@ Both rings tie each step's dot to the next one through `lax.optimization_barrier
 (`_in_order`). Without it XLA's GPU compiler merges the steps' dots, which share
 their RHS and do not depend on each other, into one dot that waits for every
 transfer: nothing was left to overlap, and on two H200s the ring took 198 us
-against 164 us for all-gather + dot (PERFORMANCE.md, "Why the XLA ring did not
-overlap").
+against 164 us for all-gather + dot (docs/performance-log.md, "Why the XLA ring did
+not overlap under `tools/launch`").
 
 `xla_ring_matmul_reduce_scatter` is the reduce-scatter's ring: partial sums of
 one row block travel the ring in float32, each device adding its product of

@@ -41,7 +41,8 @@ RING_TILES = (
 # (operand stages, epilogue tile width), first that fits wins. Stages hide
 # load latency, so the epilogue gives up width before the pipeline gives up
 # stages, as in the matmul heuristic; at M_shard 512 the ring's 128x128 tiles
-# ran 4% faster with 6 stages than with 4 (PERFORMANCE.md, two H200s).
+# ran 4% faster with 6 stages than with 4 (two H200s; docs/performance-log.md, "The ring
+# on two H200s with the new defaults").
 RING_STAGES = ((6, 64), (5, 64), (4, 128), (3, 128), (4, 64), (3, 64), (2, 64))
 
 

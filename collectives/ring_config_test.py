@@ -58,7 +58,8 @@ class DefaultRingConfigTest(parameterized.TestCase):
       ((128, 512, 576), (128, 64)),
       ((256, 256, 64), (128, 64)),  # N_shard 64: only a 64-wide CTA tile divides.
       ((192, 512, 1024), (64, 128)),  # M_shard 3 x 64: 24 tiles rather than 12.
-      # The measured default on two H200s (PERFORMANCE.md): 128x128, 6 stages.
+      # The measured default on two H200s (docs/performance-log.md, "The ring on two H200s
+      # with the new defaults"): 128x128, 6 stages.
       ((512, 4096, 4096), (128, 128)),
       ((1024, 4096, 4096), (128, 256)),  # One full wave of the largest tile.
   )

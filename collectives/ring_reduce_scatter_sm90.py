@@ -34,7 +34,8 @@ benchmark's size (per device lhs (2048, 4096), rhs (4096, 4096), float16)
 the ring took 148 us with float32 partials and 126 us with float16 ones
 (NCCL reduce-scatter + cuBLAS: 191 us; lower bound 95 us). Most of a
 step's NVLink stores are not hidden under the next step's K loop: see
-PERFORMANCE.md for the measurements and what was tried.
+docs/performance-log.md, "Matmul + reduce-scatter ring: first runs on hardware", for the
+measurements and what was tried.
 
 Synchronization, per step s < D - 1 (a send):
   * every compute warpgroup of every block stores its tiles of the sum to

@@ -149,7 +149,8 @@ def copy_one_segment_tiles_as_boxes() -> None:
 
   Replaces `LaunchContext.async_copy`, once per process; it applies to the
   Mosaic GPU lowering of every kernel compiled after the call (interpret
-  mode never reaches it). Measured on an H200 (PERFORMANCE.md): the copies
+  mode never reaches it). Measured on an H200 (docs/performance-log.md, "Ragged edges
+  as 2D TMA boxes"): the copies
   run as fast as tiled ones, and the operands and outputs they reach need
   no padding copies.
   """

@@ -129,7 +129,7 @@ def derivative_dtype(out_dtype) -> jnp.dtype:
   silu's derivatives lie in [-0.2, 1.2], where float16 keeps three more bits
   than bfloat16 in the same bytes: a bfloat16 derivative made the gradients
   of a bf16 layer measurably less accurate than the kept pre-activation did;
-  a float16 one does not (docs/performance-log.md, "The kept derivative")."""
+  a float16 one does not (docs/performance-log.md, "The kept derivative: its dtype")."""
   return jnp.dtype(jnp.float32 if jnp.dtype(out_dtype) == jnp.float32 else jnp.float16)
 
 

@@ -1,7 +1,8 @@
 """`default_config`: the warp-specialized matmul's config without tuning.
 
-Every constant of the heuristic is here, each with where it was measured
-(PERFORMANCE.md). It chooses among a few CTA tiles, the ping-pong schedule for
+Every constant of the heuristic is here, each with where it was measured:
+the section of docs/performance-log.md, or the record in perf/, named beside
+it. It chooses among a few CTA tiles, the ping-pong schedule for
 short K, pipeline depth, epilogue tiles and a split of K, modelling compute
 and HBM time where the output has too few tiles to fill the SMs.
 """
@@ -21,7 +22,8 @@ from pipelines.config import MatmulDimension, Schedule, TuningConfig, operand_sw
 
 # The 128x192 CTA tile's relative time per multiply-add: from 0.94 to 1.07
 # in two problems where it left fewer SMs idle in the last wave than 128x256
-# (5000x4096x2560 and 1000x4096x3008 on an H200, PERFORMANCE.md); the upper
+# (5000x4096x2560 and 1000x4096x3008 on an H200; docs/performance-log.md, "Why the
+# pads existed, and what was changed"); the upper
 # half of that range, so that it wins only by wave count.
 _TILE_192_COST = 1.05
 # The tiles the heuristic chooses from, largest CTA tile first: two 64x256,
@@ -44,7 +46,8 @@ _HEURISTIC_TILES = (
 # bytes in flight: at 1x8192x8192 and 16x8192x8192 it ran 13% and 9% faster
 # than 64x128 tiles, in 4 K ranges against 2. At M = 64 it ran 8% slower; at
 # M = 24-48 it gained 2-3% on two shapes and lost 3-10% on three, for a reason
-# not found, hence the bound (PERFORMANCE.md). Its relative cost per multiply-add lies
+# not found, hence the bound (docs/performance-log.md, "The decode tile's bounds: which
+# M, which K ranges"). Its relative cost per multiply-add lies
 # between the 128x128 and 128x256 tiles' costs.
 _DECODE_TILE = (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N), 1.2)
 _DECODE_MAX_M = 16
@@ -62,7 +65,9 @@ _DECODE_MAX_M = 16
 # 16 problems of M = 1-256 (128x8192x3000: 24.4 against 51.6 us); at
 # M = 100-256 the 128x64 tile ran 0-8% faster than the 64x128 one on seven
 # problems, at M = 1-64 the 64x128 one 1.1-2.0x faster than the 128x64 one
-# on seven, whose second warpgroup computes rows past M (PERFORMANCE.md).
+# on seven, whose second warpgroup computes rows past M (docs/performance-log.md, "Small
+# M with a ragged (K, N) RHS: 128x64 tiles read it in place" and "Each warpgroup's own
+# RHS tile").
 _TILE_128X64 = TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.M)
 _IN_PLACE_RHS_TILE = (_TILE_128X64, 1.5)
 _IN_PLACE_RHS_MAX_M = 256
@@ -75,7 +80,8 @@ _IN_PLACE_RHS_MAX_M = 256
 # M. Their splits of K come from `_estimated_time_us` at a relative cost of
 # 1.0 per multiply-add (the work is HBM-bound; the fitted value) in ranges as
 # short as 256 (4 K steps), with 8 operand stages. On an H200 (f16, 18
-# problems of N = 16-64, M = 64-16384, K = 1024-14336; PERFORMANCE.md) that
+# problems of N = 16-64, M = 64-16384, K = 1024-14336; docs/performance-log.md,
+# "Outputs at most 64 columns wide: 64-column CTA tiles") that
 # picks, on each, a split within 8% of the fastest one measured for its tile;
 # 4096x4096x64 in 4 ranges: 9.6 us against 13.5 for the 128x128 tiles the
 # model chose before (jnp.dot: 12.7); 64x4096x64 in 16 ranges of 64x64
@@ -93,12 +99,14 @@ _NARROW_STAGES = (8, 6, 4, 3, 2)
 # ran 3.5% slower than with a 16 us pad of the RHS at 8192x4096x3000, 1.8% at
 # 8192x8192x4040 (bf16), and 2% faster at 4096x4096x4040 and 4096x1024x4040,
 # where the pad is 13-16% of the modelled main loop, not 6%: about 10%
-# (PERFORMANCE.md). 128x128 tiles were not measured on aligned rows; they gained
+# (docs/performance-log.md, "One-segment RHS tiles in 2-CTA clusters"). 128x128 tiles
+# were not measured on aligned rows; they gained
 # 10-19% where a pad or a narrower swizzle was 20-32% of the main loop.
 _ONE_SEGMENT_RHS_TILES_COST = {2: 1.02, 3: 1.02, 4: 1.10}
 # `_estimated_time_us` models a problem with too few tiles to fill the SMs, on
 # an H200. Its constants were fitted to the split-K and small-output sweeps
-# (PERFORMANCE.md): on each of the 13 problems measured, it chooses the
+# (docs/performance-log.md, "Small outputs bound by HBM: the heuristic now counts
+# bytes"): on each of the 13 problems measured, it chooses the
 # fastest config measured, and so do nearby values of the constants.
 # One SM's multiply-adds per microsecond in 128x256 tiles (800 TFLOP/s).
 _SM_MACS_PER_US = 3.03e6
@@ -124,10 +132,12 @@ _SPLIT_SUM_BYTES_PER_US = 16e6
 # in ranges 512 long, which fill the SMs where the output has few tiles:
 # 1.16-1.40x cuBLAS at 256x16384x256, 128x32768x128, 333x2048x1111,
 # 256x2048x1024 and 64x2048x2048, where 2048-long ranges ran at 0.72-0.99x
-# (PERFORMANCE.md). The 128x192 tile (4 stages) ran well in 1024-long
+# (docs/performance-log.md, "The change, and an A/B of the heuristics in one run"). The
+# 128x192 tile (4 stages) ran well in 1024-long
 # ranges: on the 16 problems where allowing them changed the choice, 1.03x
 # faster (geometric mean; 333x4096x2080: 16.9 against 25.3 us; 100x8192x2080:
-# 14.1 against 17.9), and at most 2.4% slower on one.
+# 14.1 against 17.9), and at most 2.4% slower on one
+# (perf/2026-12-01-h200-heuristic-narrow-swizzle-ab.json).
 _MIN_SPLIT_K_WIDE_TILE = 2048
 _MIN_SPLIT_K_192_TILE = 1024
 _MIN_SPLIT_K = 512
@@ -135,7 +145,7 @@ _MIN_SPLIT_K = 512
 # where the epilogue it hides is a large share of a tile's time: on an H200 it
 # computed each output element 5-9% faster than the cooperative 128x256 tile
 # at K = 1024-2048, so it wins unless it leaves the busiest SM more than 5%
-# more elements (PERFORMANCE.md).
+# more elements (docs/performance-log.md, "Ping-pong schedule").
 _PINGPONG_CONFIG = TuningConfig(tile_m=128, tile_n=192, tile_k=64, max_concurrent_steps=4,
                                 grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
                                 schedule=Schedule.PINGPONG)
@@ -231,7 +241,8 @@ def _with_one_segment_k_step(config: TuningConfig, problem: operands.MatmulProbl
   one segment wide, copied as boxes in place (`core.tma_copies_in_place`);
   twice the stages keep as many bytes in flight. On an H200 that ran
   4-17% faster on each of the five such shapes measured (100x8192x4000: 26.3
-  against 29.0-29.3 us, f16 and bf16; PERFORMANCE.md). Only this halving
+  against 29.0-29.3 us, f16 and bf16; docs/performance-log.md, "A K step of one
+  segment under the 64-byte swizzle"). Only this halving
   was measured, so a 32-byte swizzle keeps its steps.
   """
   if problem.layout.transpose_lhs or problem.is_empty:
@@ -265,7 +276,8 @@ def _with_unpadded_output(config: TuningConfig, problem: operands.MatmulProblem,
   whole output. 64-column tiles are one segment, stored as boxes in place
   (`core.tma_copies_in_place`). On an H200 that ran 5-34% faster on each of
   the six such shapes measured (4096x4096x4040: 200.6 against 221.2 us;
-  PERFORMANCE.md); only 16-bit outputs were measured.
+  docs/performance-log.md, "64-column epilogue tiles where 128-column ones would pad a
+  16-bit output"); only 16-bit outputs were measured.
   """
   itemsize = jnp.dtype(out_dtype).itemsize
   segment = max(SWIZZLE_BYTES) // itemsize
@@ -361,7 +373,7 @@ def _with_rhs_in_place(config: TuningConfig, problem: operands.MatmulProblem,
 def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   """A sound config without tuning.
 
-  The sweeps on an H200 (PERFORMANCE.md) favour a 128x256 CTA tile made of two
+  The sweeps on an H200 (docs/performance-log.md, "Sweeps") favour a 128x256 CTA tile made of two
   64x256 warpgroup tiles (the widest wgmma) split along M, 3-4 stages and
   64x128 epilogue tiles. Problems with K <= 2048 get the ping-pong schedule's
   128x192 tile unless it would leave the busiest SM over 5% more output than
@@ -480,7 +492,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     # Beyond M = 256, each option pays for its pad of an RHS whose rows are
     # off 128 bytes or, where `_with_rhs_in_place` would read that RHS in
     # place in one-segment tiles, for their extra wgmmas (12 problems on an
-    # H200, each 1.02-1.78x faster than without this, PERFORMANCE.md).
+    # H200, each 1.02-1.78x faster than without this; docs/performance-log.md, "Beyond
+    # M = 256: the small-output model weighs the pads").
     weigh_in_place = (not problem.is_empty and problem.m > _IN_PLACE_RHS_MAX_M
                       and not problem.layout.transpose_rhs and ragged_rows)
     options = []

@@ -105,7 +105,8 @@ def pad_k(problem: MatmulProblem, k_multiple: int) -> MatmulProblem:
 
 # What a narrower swizzle costs the main loop, against the widest: measured on
 # an H200 with the same config in place and on pre-padded operands
-# (PERFORMANCE.md): 64 bytes 1.13x at 4096x4096x4000 and 1.20x at
+# (docs/performance-log.md, "Why the pads existed, and what was changed"): 64 bytes
+# 1.13x at 4096x4096x4000 and 1.20x at
 # 104x8192x4000; 32 bytes 2.1x at 4096x4112x4096.
 _SWIZZLE_SLOWDOWN = {128: 1.0, 64: 1.2, 32: 2.1}
 # To weigh that against a padding copy: the kernel's time from its FLOPs at
@@ -121,7 +122,8 @@ _COPY_LAUNCH_US = 2.0
 # each time. On an H200, reading such an RHS in place (N = 3000, 1000, 4040)
 # ran 1.1-2.0x faster than padding it at M <= 256 (the padding copy of the
 # whole RHS dominates there), but 1.19x slower at 1000x4096x1000 and 1.04x
-# at 700x8192x3000 (PERFORMANCE.md). Beyond this M it is padded.
+# at 700x8192x3000 (docs/performance-log.md, "Each warpgroup's own RHS tile"). Beyond this
+# M it is padded.
 _MAX_M_RHS_BOXES_OFF_SECTOR = 256
 _L2_SECTOR_BYTES = 32
 

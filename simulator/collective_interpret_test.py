@@ -307,7 +307,7 @@ class CollectiveInterpretTest(parameterized.TestCase):
     self._assert_interpreter_works()
 
   def test_wait_timeout_of_an_unawaited_kernel_is_raised_when_the_block_ends(self):
-    # The README's pattern: the block only starts the kernel (dispatch is asynchronous).
+    # docs/testing.md's pattern: the block only starts the kernel (dispatch is asynchronous).
     x = _sharded_input(2, _mesh(2))
     with self.assertRaisesRegex(TimeoutError, r"^semaphore_wait .*still waits after 0.5 s"):
       with simulator.collective_interpret_mode(wait_timeout_s=0.5):

@@ -119,7 +119,8 @@ _WS_CONFIGS = flags.DEFINE_multi_string(
 
 
 def _peer_matmul():
-  """JAX's own Hopper kernel with its best config measured here (ENVIRONMENT notes)."""
+  """JAX's own Hopper kernel with its best config measured here
+  (docs/performance-log.md, "The first suite")."""
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as peer
 
   config = peer.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,

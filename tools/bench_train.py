@@ -96,7 +96,7 @@ MODELS = {
 }
 # Four prefill sizes and two small token counts (a decode batch, a short
 # fine-tuning micro-batch). Measured on one H200 (2026-12-02,
-# perf/2026-12-02-h200-train-bench.json): 268 s for the five layers at four of
+# perf/2026-12-02-h200-training-layers.json): 268 s for the five layers at four of
 # these sizes with two passes, 10 iterations and 2 rounds, 16 s a layer and size,
 # the gated unit and the MLP block 23-27 s each. So the full default run (three
 # passes, 20 iterations, 3 rounds) takes well over ten minutes: where a run must

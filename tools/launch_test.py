@@ -180,7 +180,7 @@ class CommandTest(absltest.TestCase):
 
 
 class BazelRunTest(absltest.TestCase):
-  """README's command, `bazel run //tools:launch -- ... -- python -m examples.allgather_matmul`.
+  """The docs' command, `bazel run //tools:launch -- ... -- python -m examples.allgather_matmul`.
 
   Under Bazel it runs the binary's own stub from the runfiles, in the runfiles'
   workspace folder and without this test's PYTHONPATH, as `bazel run` does;
