@@ -80,9 +80,9 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   activation's derivative multiplies the output cotangent in float32: for
   gelu and silu the forward kernel's epilogue writes it beside the output
   (in float16, or float32 for a float32 output: `epilogue.derivative_dtype`)
-  only when the forward is differentiated, and for relu it
-  is read off the saved output. The cotangent then enters the backward
-  products in the operand dtype.
+  only when the forward is differentiated, and for relu it is read off the
+  saved output. The cotangent then enters the backward products in the
+  operand dtype.
   Forward-mode differentiation (`jax.jvp`) is not supported.
 
   Returns:
@@ -116,8 +116,8 @@ def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
     # (grad of grad) never reaches the kernel's own rule-less primitive.
     if epilogue.keeps_derivative:
       # gelu's and silu's derivatives need the pre-activation: the forward
-      # kernel's epilogue writes the derivative beside the output, in the
-      # output dtype, rather than the backward recomputing the pre-activation
+      # kernel's epilogue writes the derivative beside the output (in
+      # `derivative_dtype`), rather than the backward recomputing the pre-activation
       # with a whole extra matmul. Keeping the derivative rather than the
       # pre-activation leaves the backward one multiply (a single XLA pass
       # with d bias; gelu's derivative there took two).
