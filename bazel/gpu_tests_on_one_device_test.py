@@ -5,9 +5,11 @@ every `mgpu_kernel_test` (and skips the `multi_gpu` ones only by tag). A case th
 several devices outside the kernel tests' own device checks (a 2-device mesh built to
 validate arguments, say) fails there, and no CPU test would notice: the CPU twins of the
 collectives see 8 simulated devices. This test runs every such file under
-MGPU_TEST_BACKEND=gpu with a single (CPU) device, as one pytest process, and fails on any
-failure or error. Cases that need a Hopper GPU skip here (no GPU); the rest (validation,
-heuristics, lowering) run and must either pass or skip with their reason on one device.
+MGPU_TEST_BACKEND=gpu with a single (CPU) device, each file in a pytest process of its own
+(as the GPU runner `tools/gpu_tests.py` does: two tools' modules may define absl flags of
+the same name, which one process cannot hold), and fails on any failure or error. Cases
+that need a Hopper GPU skip here (no GPU); the rest (validation, heuristics, lowering) run
+and must either pass or skip with their reason on one device.
 
 The files come from the BUILD files themselves (every `mgpu_kernel_test`'s `src`), so a new
 kernel test is covered without a list to keep. Those of `//bazel` check the macro's own
@@ -64,22 +66,32 @@ class GpuTestsOnOneDeviceTest(absltest.TestCase):
         root = workspace_root()
         files = kernel_test_files(root)
         self.assertGreater(len(files), 5, f"found only {files} under {root}")
+        counts = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+        outputs = []
         with tempfile.TemporaryDirectory() as tmp:
-            junit = os.path.join(tmp, "junit.xml")
-            cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                   f"--junitxml={junit}", *files]
-            result = subprocess.run(cmd, cwd=root, env=one_device_env(), capture_output=True,
-                                    text=True, check=False)
-            output = (result.stdout + result.stderr).strip()
-            print(f"$ {' '.join(cmd)}\n{output}")
-            suite = ET.parse(junit).getroot()
-            suites = [suite] if suite.tag == "testsuite" else list(suite.iter("testsuite"))
-            counts = {key: sum(int(s.get(key, 0)) for s in suites)
-                      for key in ("tests", "failures", "errors", "skipped")}
+            for index, path in enumerate(files):
+                junit = os.path.join(tmp, f"junit{index}.xml")
+                cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                       f"--junitxml={junit}", path]
+                result = subprocess.run(cmd, cwd=root, env=one_device_env(),
+                                        capture_output=True, text=True, check=False)
+                output = (result.stdout + result.stderr).strip()
+                print(f"$ {' '.join(cmd)}\n{output}")
+                if not os.path.exists(junit):  # pytest stopped before it ran anything.
+                    counts["errors"] += 1
+                    outputs.append(f"{path}: exit {result.returncode}\n{output[-3000:]}")
+                    continue
+                suite = ET.parse(junit).getroot()
+                suites = [suite] if suite.tag == "testsuite" else list(suite.iter("testsuite"))
+                for key in counts:
+                    counts[key] += sum(int(s.get(key, 0)) for s in suites)
+                if result.returncode != 0:
+                    outputs.append(f"{path}: exit {result.returncode}\n{output[-3000:]}")
+        output = "\n".join(outputs)
         self.assertEqual(counts["failures"] + counts["errors"], 0,
                          f"cases that fail with MGPU_TEST_BACKEND=gpu on one device: {counts}"
                          f"\n{output[-6000:]}")
-        self.assertEqual(result.returncode, 0, output[-6000:])
+        self.assertFalse(outputs, output[-6000:])
         # Not everything may skip: validation and heuristics run without a GPU.
         self.assertGreater(counts["tests"] - counts["skipped"], 0, counts)
 
