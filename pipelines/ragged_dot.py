@@ -58,9 +58,10 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   return config  # Its error names what does not fit.
 
 
-def _weight_gradient(lhs: jax.Array, g: jax.Array, group_sizes: jax.Array,
-                     out_dtype) -> jax.Array:
-  """(G, K, N) = lhs[rows of g].T @ g[rows of g] per group, for lhs (M, K) and g (M, N)."""
+def weight_gradient(lhs: jax.Array, g: jax.Array, group_sizes: jax.Array,
+                    out_dtype) -> jax.Array:
+  """(G, K, N) = lhs[rows of g].T @ g[rows of g] per group, for lhs (M, K) and g (M, N):
+  `ragged_dot`'s d rhs, on `kernel_call.ws_ragged_k_matmul` with `default_config`."""
   layout = operands.OperandLayout(transpose_lhs=True)
   problem = operands.check_operands(lhs, g, layout)
   config = default_config(problem, out_dtype, ragged_k=True)
@@ -171,8 +172,8 @@ def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
                        out_dtype=lhs.dtype)
     # d rhs[g] = lhs_g.T @ g_g, or for weights stored (N, K) its transpose
     # g_g.T @ lhs_g: both read their operands as stored.
-    d_rhs = (_weight_gradient(g, lhs, group_sizes, rhs.dtype) if transpose_rhs
-             else _weight_gradient(lhs, g, group_sizes, rhs.dtype))
+    d_rhs = (weight_gradient(g, lhs, group_sizes, rhs.dtype) if transpose_rhs
+             else weight_gradient(lhs, g, group_sizes, rhs.dtype))
     return (cotangent_like(d_lhs, lhs), cotangent_like(d_rhs, rhs), None)
 
   differentiable.defvjp(forward, backward)

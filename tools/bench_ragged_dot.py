@@ -42,8 +42,8 @@ from absl import flags
 from core import has_gpu
 from core.numerics import relative_error
 from core.timing import time_gpu
-from pipelines import kernel_call, operands, ragged_dot
-from pipelines.ragged_dot import default_config
+from pipelines import ragged_dot
+from pipelines.ragged_dot import weight_gradient
 from tools import cli, report
 
 
@@ -123,9 +123,7 @@ def _xla_weight_gradient(lhs, g, sizes, groups):
 
 
 def _our_weight_gradient(lhs, g, sizes):
-  problem = operands.check_operands(lhs, g, operands.OperandLayout(transpose_lhs=True))
-  return kernel_call.ws_ragged_k_matmul(
-      lhs, g, sizes, config=default_config(problem, lhs.dtype, ragged_k=True))
+  return weight_gradient(lhs, g, sizes, lhs.dtype)
 
 
 def _grads(fn, cotangent):
