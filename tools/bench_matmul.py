@@ -107,7 +107,8 @@ _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
 _PEER = flags.DEFINE_bool("peer", True, "Also time JAX's hopper_matmul_mgpu.")
 _PIPELINED = flags.DEFINE_multi_string(
     "pipelined_config", ["tile_m=128,tile_n=128,tile_k=64,max_concurrent_steps=4,delay_release=1"],
-    "PipelinedConfig fields for the pipelined kernel; repeat the flag to time several.")
+    "PipelinedConfig fields for the pipelined kernel; repeat the flag to time several, or "
+    "give it empty (--pipelined_config=) to skip that kernel.")
 _LAYOUTS = flags.DEFINE_multi_enum(
     "layout", ["NN"], ["NN", "TN", "NT", "TT"],
     "Operand layouts (T: stored transposed, lhs then rhs); repeat the flag for several.")
@@ -196,7 +197,7 @@ def bench_problem(m: int, k: int, n: int, dtype, layout: OperandLayout = NN) -> 
     impls[f"ours: warp-specialized [{text}]"] = functools.partial(matmul, config=config,
                                                                   **transposes)
   if layout == NN:  # The pipelined kernel and JAX's own take (M, K) x (K, N) only.
-    for text in _PIPELINED.value:
+    for text in filter(None, _PIPELINED.value):
       name = "ours: pipelined" + (f" [{text}]" if len(_PIPELINED.value) > 1 else "")
       config = cli.parse_config(PipelinedConfig, text)
       impls[name] = functools.partial(pipelined_matmul, config=config)
