@@ -368,6 +368,15 @@ def check_swizzle(config, dtype, *, transpose_lhs: bool = False,
         f"needs one swizzle for both: make both minor dimensions multiples of "
         f"{max(lhs_swizzle, rhs_swizzle) // itemsize}")
   segment = min(lhs_swizzle, rhs_swizzle) // itemsize
+  if config.tile_k % segment:
+    # wgmma steps through K in groups one swizzled segment long; where
+    # neither tile's rows run along K (a (K, M) lhs with a (K, N) rhs), the
+    # segment is set by M and N.
+    raise ValueError(
+        f"tile_k={config.tile_k} must be a multiple of {segment} for this layout: both "
+        f"{name} operand tiles take a {segment * itemsize}-byte swizzle (the {lhs_what} is "
+        f"{lhs_minor} wide, the {rhs_what} {rhs_minor}), and wgmma steps through K in "
+        f"{segment}-element groups")
   # Each warpgroup's wgmma reads its part of the CTA's LHS tile; split along
   # the tile's minor dimension, that part must start at a swizzled segment
   # (of the widest swizzle both tiles allow: a narrower one divides it).

@@ -41,16 +41,23 @@ _HEURISTIC_TILES = (
     (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M), 1.1),
     (_SMALL_TILE, 1.5),
 )
-# Decode-size M (at most `_DECODE_MAX_M` rows) also gets a 64x256 CTA tile
-# (two 64x128 warpgroup tiles along N), whose wider RHS stages keep more
-# bytes in flight: at 1x8192x8192 and 16x8192x8192 it ran 13% and 9% faster
-# than 64x128 tiles, in 4 K ranges against 2. At M = 64 it ran 8% slower; at
-# M = 24-48 it gained 2-3% on two shapes and lost 3-10% on three, for a reason
-# not found, hence the bound (docs/performance-log.md, "The decode tile's bounds: which
-# M, which K ranges"). Its relative cost per multiply-add lies
-# between the 128x128 and 128x256 tiles' costs.
+# Decode-size M also gets a 64x256 CTA tile (two 64x128 warpgroup tiles
+# along N), whose wider RHS stages keep more bytes in flight. Its relative
+# cost per multiply-add lies between the 128x128 and 128x256 tiles' costs.
+# In K ranges it is offered up to `_DECODE_SPLIT_MAX_M` rows: at 1x8192x8192
+# and 16x8192x8192 it ran 13% and 9% faster than 64x128 tiles, in 4 K ranges
+# against 2; at M = 24-48 in ranges it gained 2-3% on two shapes and lost
+# 3-10% on three, for a reason not found (docs/performance-log.md, "The decode
+# tile's bounds: which M, which K ranges").
+# Unsplit, it is offered up to `_DECODE_MAX_M` rows: with weights wide enough
+# for its tiles to fill most of the SMs (N = 10240-128256 at M = 1-64, models
+# suite's fit half, bf16), it streamed them 1.08-1.18x faster than unsplit
+# 64x128 tiles (16x8192x57344: 221 against 252 us, jnp.dot 209; 64x4096x28672:
+# 56.7 against 62.5, jnp.dot 56.6; docs/performance-log.md, "Decode and LoRA
+# sizes of the models suite's fit half").
 _DECODE_TILE = (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N), 1.2)
-_DECODE_MAX_M = 16
+_DECODE_SPLIT_MAX_M = 16
+_DECODE_MAX_M = 64
 # Tiles whose (K, N) RHS tiles are one segment wide (each warpgroup of the
 # 64x128 tile loads its own 64 columns, `TuningConfig.rhs_tiles`) read that
 # RHS as boxes in place at any N on 16 bytes (`operands.tma_sizes`), where
@@ -154,6 +161,10 @@ _PINGPONG_MAX_K = 2048
                         | {_PINGPONG_CONFIG.tile_k, _TILE_128X64.tile_k,
                            _NARROW_DECODE_TILE[0].tile_k})
 _PINGPONG_MAX_EXTRA_WORK = 1.05
+# K steps for a K that one step covers (`_with_short_k_step`): the 16-bit
+# wgmma's K granule and twice it (32- and 64-byte swizzled rows).
+_SHORT_K_STEPS = (16, 32)
+_SHORT_K_EPI_TILE_N = 64
 
 
 def _num_tiles(problem: operands.MatmulProblem, config: TuningConfig) -> int:
@@ -263,6 +274,41 @@ def _with_one_segment_k_step(config: TuningConfig, problem: operands.MatmulProbl
   fits = kernel_call.ws_smem_budget(candidate, operands.pad_k(problem, config.tile_k),
                                     out_dtype, has_bias=True).fits()
   return candidate if spares_copy and fits else config
+
+
+def _with_short_k_step(config: TuningConfig, problem: operands.MatmulProblem,
+                       out_dtype) -> TuningConfig:
+  """`config`, or the same with one K step as short as K (16 or 32 elements)
+  and 64-column epilogue tiles where K is that short.
+
+  A K of at most 32 (a LoRA adapter's up projection, rank 8-32, and the
+  product that feeds its d input) is one K step, and the time goes to
+  writing the output. A 64-element step loads the operand tiles' columns past
+  K as zeros the TMA engine fills in, and a step as long as K spares that.
+  On an H200 (bf16, models suite's fit half, the step shortened together
+  with 64-column epilogue tiles, as here; which of the two gained how much
+  was not measured): 4096x8x4096 11.5 us against 14.7 in 64-element steps
+  (jnp.dot 9.7; 32-element steps: 12.9), 4096x16x4096 10.6 against 13.7,
+  4096x32x4096 10.6 against 13.2 (16-element steps: 11.3), and with the RHS
+  stored (N, K) 4096x8x4096 12.4 against 17.0 (docs/performance-log.md, "Decode
+  and LoRA sizes of the models suite's fit half").
+  """
+  if (problem.is_empty or problem.k > max(_SHORT_K_STEPS) or config.k_splits > 1
+      or config.schedule != Schedule.COOPERATIVE):  # Only the cooperative one was measured.
+    return config
+  tile_k = min(step for step in _SHORT_K_STEPS if step >= problem.k)
+  if tile_k >= config.tile_k:
+    return config
+  candidate = dataclasses.replace(config, tile_k=tile_k,
+                                  epi_tile_n=math.gcd(config.epi_tile_n, _SHORT_K_EPI_TILE_N))
+  try:
+    # A (K, M) LHS with a (K, N) RHS has no tile whose rows run along K, so
+    # its swizzle, set by M and N, asks for 64-element K steps.
+    kernel_call.check_ws_config(candidate, operands.pad_k(problem, tile_k), out_dtype,
+                                has_bias=True)
+  except ValueError:
+    return config
+  return candidate
 
 
 def _with_unpadded_output(config: TuningConfig, problem: operands.MatmulProblem,
@@ -391,10 +437,13 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   faster than 128x256 tiles in 4). CTA tiles up to 128 wide may split K into
   ranges as short as 512 (128x32768x128: 64 ranges, 1.32x cuBLAS), 192-wide
   ones into ranges of 1024 (333x4096x2048: 4 ranges, 7% faster than unsplit
-  64x128 tiles), wider ones into ranges of 2048 or more. Decode-size M (16
-  rows or fewer) may also take a 64x256 tile (16x8192x8192: in 4 ranges,
-  1.03x cuBLAS). Where larger tiles would pad a (K, N) RHS whose N is off 64
-  columns and M is at most 256, tiles with one-segment RHS tiles read it in
+  64x128 tiles), wider ones into ranges of 2048 or more. Decode-size M (64
+  rows or fewer) goes through this model even where 128x256 tiles would fill
+  a wave, and may also take a 64x256 tile, in K ranges up to 16 rows
+  (16x8192x8192: in 4 ranges, 1.03x cuBLAS), unsplit up to 64
+  (16x8192x57344: 0.92x cuBLAS, where 128x256 tiles ran at 0.70x). Where
+  larger tiles would pad a (K, N) RHS whose N is off 64 columns and M is at
+  most 256, tiles with one-segment RHS tiles read it in
   place, the others paying for the copy: 64x128 tiles where M <= 64
   (1x8192x3000: 2.0x faster than 128x64 tiles), 128x64 ones above
   (`_IN_PLACE_RHS_TILE`; 128x8192x3000: 2.1x faster than padded 128x192
@@ -417,6 +466,10 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   partial tiles leave room for fewer. Fewer stages are used where SMEM is
   short.
 
+  A K of 32 or less (LoRA ranks) takes one K step as long as K, 16 or 32
+  elements, with 64-column epilogue tiles (`_with_short_k_step`; 4096x8x4096:
+  1.27x faster than in a 64-element step).
+
   A 16-bit output that 128-column epilogue tiles would pad (N = 4040) gets
   64-column ones, stored in place (`_with_unpadded_output`; 5-34% faster on
   six such shapes). Where an operand allows only the 64-byte swizzle and the
@@ -429,6 +482,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   """
   config = _with_rhs_in_place(_tiled_config(problem, out_dtype), problem, out_dtype)
   config = _with_unpadded_output(config, problem, out_dtype)
+  config = _with_short_k_step(config, problem, out_dtype)
   return _with_one_segment_k_step(config, problem, out_dtype)
 
 
@@ -458,9 +512,16 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   if problem.n <= _NARROW_MAX_N:
     return _narrow_config(problem, out_dtype)
   (largest, _), (wide, wide_cost), *_ = _HEURISTIC_TILES
-  if _num_tiles(problem, largest) >= device_facts().sm_count:
+  if (_num_tiles(problem, largest) >= device_facts().sm_count
+      and problem.m > _SMALL_TILE.cta_tile_m):
     # At least one full wave of the largest tile: its efficiency wins, unless
-    # the 128x192 tile's last wave leaves enough fewer SMs idle.
+    # the 128x192 tile's last wave leaves enough fewer SMs idle. Not at M of
+    # one 64-row tile or less, where 128-row tiles compute half their rows or
+    # more past M and the weights' stream sets the time: there the model below
+    # weighs 64-row tiles too (16x8192x57344 and 16x8192x128256, bf16:
+    # 128x256 tiles ran at 0.68x and 0.73x jnp.dot, the decode tile at 0.95x
+    # and 0.98x; docs/performance-log.md, "Decode and LoRA sizes of the models
+    # suite's fit half").
     tiles = min((largest, wide), key=lambda t: _waves_cost(
         problem, t, 1.0 if t is largest else wide_cost))
     splits = 1
@@ -499,6 +560,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
     options = []
     for i, (tiles, tile_cost) in enumerate(candidates):
       for splits in _k_splits_options(problem, tiles):
+        if tiles is _DECODE_TILE[0] and splits > 1 and problem.m > _DECODE_SPLIT_MAX_M:
+          continue
         time_us = _estimated_time_us(problem, tiles, tile_cost, splits)
         if weigh_pads:
           time_us += padding_us[tiles]
