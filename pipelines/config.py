@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import ClassVar
 
 import jax.numpy as jnp
 
@@ -85,6 +86,74 @@ def _check_tiles(tile_m: int, tile_n: int, tile_k: int) -> None:
         f"a ({tile_m}, {tile_n}) float32 accumulator needs {registers} registers per thread "
         f"of its warpgroup, more than {MAX_ACCUMULATOR_REGISTERS}; use tile_m * tile_n <= "
         f"{MAX_ACCUMULATOR_REGISTERS * WARPGROUP_THREADS} (e.g. 64x256 or 128x192)")
+
+
+# FP8 operands (`fp8_matmul`): e4m3 values, one float32 scale per block of
+# `FP8_SCALE_BLOCK` along K (and along N for the RHS). wgmma reads 8-bit
+# operands K-major only, 32 of K per instruction.
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+FP8_SCALE_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Config:
+  """The block-scaled FP8 matmul (`fp8_matmul`): one warpgroup per output tile.
+
+  The tile is fixed at (`TILE_M`, `TILE_N`) with K steps of `TILE_K`: a K
+  step is one scale block, so each step's wgmma product is scaled once and
+  added to a float32 running sum in registers, and the tile's width is one
+  block of the RHS's scales, so each step has one RHS scale. The warpgroup
+  holds the step's accumulator and the running sum, 64 registers a thread
+  each.
+
+  Attributes:
+    max_concurrent_steps: SMEM slots per operand (clamped to the K steps).
+  """
+
+  TILE_M: ClassVar[int] = WGMMA_M
+  TILE_N: ClassVar[int] = FP8_SCALE_BLOCK
+  TILE_K: ClassVar[int] = FP8_SCALE_BLOCK
+
+  max_concurrent_steps: int = 4
+
+  def __post_init__(self):
+    self.pipeline  # Validates the depth.  # noqa: B018
+
+  @property
+  def pipeline(self) -> PipelineOptions:
+    return PipelineOptions(max_concurrent_steps=self.max_concurrent_steps)
+
+  def smem_budget(self, k_steps: int, out_dtype, *, has_bias: bool) -> SmemBudget:
+    """The SMEM of a problem of `k_steps` K steps: the operand and LHS-scale
+    slots and the RHS's scales for the tile's column block (and its bias)
+    through the K loop, then the output's staging tile."""
+    steps = self.pipeline.steps_for(k_steps)
+    tile_constants = [SmemBuffer(name="rhs_scales_smem", shape=(self.scale_row_length(k_steps),),
+                                 dtype=jnp.float32)]
+    if has_bias:
+      tile_constants.append(SmemBuffer(name="bias_smem", shape=(self.TILE_N,),
+                                       dtype=jnp.float32))
+    return SmemBudget(
+        phases=(
+            (SmemBuffer(name="lhs_smem", shape=(self.TILE_M, self.TILE_K), dtype=FP8_DTYPE,
+                        copies=steps),
+             SmemBuffer(name="rhs_smem", shape=(self.TILE_N, self.TILE_K), dtype=FP8_DTYPE,
+                        copies=steps),
+             SmemBuffer(name="lhs_scales_smem", shape=(1, self.TILE_M), dtype=jnp.float32,
+                        copies=steps),
+             *tile_constants),
+            (*tile_constants,
+             SmemBuffer(name="out_smem", shape=(self.TILE_M, self.TILE_N), dtype=out_dtype)),
+        ),
+        # One TMA-completion barrier per slot, one for the tile's constants.
+        num_barriers=steps + 1,
+    )
+
+  @staticmethod
+  def scale_row_length(k_steps: int) -> int:
+    """The length a row of the RHS's scales is padded to (`k_steps` scales,
+    then ones): a TMA copy moves whole 16-byte units."""
+    return -(-k_steps // 4) * 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

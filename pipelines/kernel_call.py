@@ -30,6 +30,7 @@ from core.varying import vary_over, varying_axes, varying_kernel
 from pipelines import operands
 from pipelines.config import (
   NUM_COMPUTE_WGS,
+  Fp8Config,
   MatmulDimension,
   PipelinedConfig,
   Schedule,
@@ -43,6 +44,7 @@ from pipelines.cooperative_matmul_sm90 import (
   pipeline_buffer_names,
 )
 from pipelines.epilogue import BIAS_DTYPE, Epilogue, derivative_dtype, kept_derivative
+from pipelines.fp8_matmul_sm90 import emit_fp8_matmul
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
@@ -408,10 +410,8 @@ def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       return zeros.astype(out_dtype)
     return zeros.astype(out_dtype), epilogue.derivative(zeros).astype(derivative_dtype(out_dtype))
   sizes = ws_tma_sizes(config, problem, out_dtype)
-  lhs = operands.pad_operands(lhs, None, None, sizes)[0]
-  if rhs.shape[1:] != sizes.rhs:
-    rhs = jnp.pad(rhs, [(0, 0)] + [(0, want - have) for have, want in
-                                   zip(rhs.shape[1:], sizes.rhs, strict=True)])
+  lhs = operands.zero_pad(lhs, sizes.lhs)
+  rhs = operands.zero_pad(rhs, sizes.rhs)  # Each group's weight.
   padded_m, padded_n = sizes.out
   m, n = problem.m, problem.n
   tiles = group_tiles(group_sizes, m, config.cta_tile_m)
@@ -530,4 +530,57 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
       kernel_name="pipelined_matmul",
   ))
   out = kernel(lhs, rhs)
+  return out if out.shape == (m, n) else out[:m, :n]
+
+
+def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array,
+                            rhs_scales: jax.Array, bias: jax.Array | None, *,
+                            config: Fp8Config, epilogue: Epilogue, out_dtype) -> jax.Array:
+  """The block-scaled FP8 kernel (`fp8_matmul_sm90`) on checked operands (`fp8.fp8_matmul`).
+
+  Args:
+    lhs: (M, K) float8_e4m3fn; rhs: (N, K) float8_e4m3fn.
+    lhs_scales: (M, ceil(K / 128)) float32; rhs_scales: (ceil(N / 128),
+      ceil(K / 128)) float32.
+    bias: (N,) float32 or None (`epilogue.has_bias`).
+    config, epilogue, out_dtype: as `fp8.fp8_matmul` takes them.
+
+  Pads what the kernel needs: K to whole scale blocks (zeros, which add
+  nothing whatever their scale), M and N to whole tiles (zeros, sliced off
+  the result), each RHS scale row to whole 16-byte TMA units; and stores the
+  LHS scales transposed. Aligned operands are not copied; the scales, 1/128
+  of the LHS's elements, always are.
+
+  Returns:
+    (M, N) array of `out_dtype`.
+  """
+  m, k = lhs.shape
+  n = rhs.shape[0]
+  if not (m and n and k):
+    problem = operands.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
+    return empty_result(problem, out_dtype, (lhs, rhs, lhs_scales, rhs_scales), bias, epilogue)
+  tile_m, tile_n, tile_k = Fp8Config.TILE_M, Fp8Config.TILE_N, Fp8Config.TILE_K
+  padded_m, padded_n = operands.round_up(m, tile_m), operands.round_up(n, tile_n)
+  padded_k = operands.round_up(k, tile_k)
+  k_steps = padded_k // tile_k
+  config.smem_budget(k_steps, out_dtype, has_bias=bias is not None).check(what=repr(config))
+
+  lhs = operands.zero_pad(lhs, (padded_m, padded_k))
+  rhs = operands.zero_pad(rhs, (padded_n, padded_k))
+  lhs_scales = operands.zero_pad(lhs_scales, (padded_m, k_steps)).T
+  rhs_scales = operands.zero_pad(rhs_scales, (padded_n // tile_n,
+                                              Fp8Config.scale_row_length(k_steps)))
+  args = (lhs, rhs, lhs_scales, rhs_scales)
+  if bias is not None:
+    args += (operands.zero_pad(bias, (padded_n,)),)
+  kernel = varying_kernel(plgpu.kernel(
+      functools.partial(emit_fp8_matmul, config=config, epilogue=epilogue),
+      out_type=jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),
+      grid=(padded_m // tile_m, padded_n // tile_n),
+      grid_names=(M_AXIS, N_AXIS),
+      compiler_params=compiler_params(),
+      interpret=interpret_params(),
+      kernel_name="fp8_block_scaled_matmul",
+  ))
+  out = kernel(*args)
   return out if out.shape == (m, n) else out[:m, :n]

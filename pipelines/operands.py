@@ -267,17 +267,24 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   return TmaSizes(lhs=lhs, rhs=rhs, out=out)
 
 
+def zero_pad(x, shape: tuple[int, ...]):
+  """`x` with zeros after its end along each dimension up to `shape` (trailing
+  dimensions of `x` beyond `shape`'s are kept); `x` itself, not a copy, where
+  it has that shape already, and None for None."""
+  if x is None or x.shape[-len(shape):] == tuple(shape):
+    return x
+  lead = x.ndim - len(shape)
+  return jnp.pad(x, [(0, 0)] * lead + [(0, want - have) for have, want in
+                                       zip(x.shape[lead:], shape, strict=True)])
+
+
 def pad_operands(lhs, rhs, bias, sizes: TmaSizes):
   """Zero-pads lhs, rhs and bias (N,) to `sizes` (bias to the output's N).
 
   Copies only the operands whose shape changes.
   """
-  def pad(x, shape):
-    if x is None or x.shape == shape:
-      return x
-    return jnp.pad(x, [(0, want - have) for have, want in zip(x.shape, shape, strict=True)])
-
-  return pad(lhs, sizes.lhs), pad(rhs, sizes.rhs), pad(bias, (sizes.out[1],))
+  return (zero_pad(lhs, sizes.lhs), zero_pad(rhs, sizes.rhs),
+          zero_pad(bias, (sizes.out[1],)))
 
 
 def check_k_tiles(problem: MatmulProblem, tile_k: int) -> int:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pipelines.epilogue import Epilogue
+from pipelines.fp8_quantize import ROW_BLOCK, SQUARE_BLOCK, dequantize_fp8
 from pipelines.operands import NN, OperandLayout
 
 
@@ -23,3 +24,14 @@ def matmul_reference(lhs, rhs, bias=None, *, epilogue: Epilogue = Epilogue(),
   acc = jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
                 precision=jax.lax.Precision.HIGHEST)
   return epilogue.apply_to_sum(acc, bias).astype(out_dtype or jnp.float32)
+
+
+def fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias=None, *,
+                         epilogue: Epilogue = Epilogue()) -> jax.Array:
+  """`fp8_matmul`'s product in float32 at HIGHEST precision, of the dequantized
+  operands: lhs (M, K) and rhs (N, K) e4m3 with scales per (1, 128) and
+  (128, 128) block (or () for one per tensor)."""
+  acc = jnp.dot(dequantize_fp8(lhs, lhs_scales, ROW_BLOCK),
+                dequantize_fp8(rhs, rhs_scales, SQUARE_BLOCK).T,
+                precision=jax.lax.Precision.HIGHEST)
+  return epilogue.apply_to_sum(acc, bias)

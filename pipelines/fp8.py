@@ -1,0 +1,156 @@
+"""`fp8_matmul`: FP8 (e4m3) operands quantized per block (`fp8_quantize`).
+
+`fp8_matmul` multiplies two quantized operands on Hopper's FP8 tensor cores
+and applies the scales inside the kernel, per K block, in float32
+(`fp8_matmul_sm90`); `fp8_matmul_reference` is the same product of the
+dequantized operands in float32. `fp8_linear` is the layer a model trains
+with: it quantizes its bf16 operands and runs its forward and both backward
+products on `fp8_matmul`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from core.varying import cotangent_like
+from pipelines import kernel_call, operands
+from pipelines.config import FP8_DTYPE, Fp8Config
+from pipelines.epilogue import BIAS_DTYPE, Epilogue
+from pipelines.fp8_quantize import ROW_BLOCK, SQUARE_BLOCK, quantize_fp8, scales_shape
+
+
+def _check_fp8_operand(name: str, x) -> None:
+  if x.ndim != 2:
+    raise ValueError(f"{name} must be 2-D, got {name}.shape={x.shape}")
+  if jnp.dtype(x.dtype) != FP8_DTYPE:
+    raise ValueError(f"{name}.dtype={jnp.dtype(x.dtype).name} must be {FP8_DTYPE.name} "
+                     f"(quantize_fp8 makes it)")
+
+
+def _check_scales(name: str, scales, expected: tuple[int, int], what: str) -> None:
+  if not hasattr(scales, "dtype") or jnp.dtype(scales.dtype) != jnp.float32:
+    raise ValueError(f"{name} must be a float32 array, got "
+                     f"{getattr(scales, 'dtype', type(scales).__name__)}")
+  if scales.shape not in ((), expected):
+    raise ValueError(f"{name} must have shape {expected} ({what}) or () (one scale for the "
+                     f"tensor), got {name}.shape={scales.shape}")
+
+
+def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales: jax.Array,
+               bias: jax.Array | None = None, *, activation: str = "none",
+               out_dtype=jnp.bfloat16, config: Fp8Config | None = None) -> jax.Array:
+  """`activation(dequantize(lhs) @ dequantize(rhs).T + bias)` on Hopper's FP8 tensor cores.
+
+  Args:
+    lhs: (M, K) float8_e4m3fn, quantized in (1, 128) blocks (`quantize_fp8`).
+    rhs: (N, K) float8_e4m3fn: the weight stored transposed (wgmma reads
+      8-bit operands K-major only), quantized in (128, 128) blocks, e.g.
+      `quantize_fp8(w.T, SQUARE_BLOCK)` for a (K, N) weight `w`.
+    lhs_scales: (M, ceil(K / 128)) float32, or () for one scale for all of
+      lhs.
+    rhs_scales: (ceil(N / 128), ceil(K / 128)) float32, or ().
+    bias: (N,) of any float dtype, added in float32, or None.
+    activation: "none", "relu", "gelu" (tanh approximation) or "silu".
+    out_dtype: bfloat16 (default), float16 or float32.
+    config: the pipeline depth; `Fp8Config()` by default.
+
+  Each 128-long block of K is multiplied on the tensor cores and added,
+  times its two scales, to a float32 sum outside them, so the error does not
+  grow with K beyond float32 summation's (the tests bound it at K = 4096
+  against `fp8_matmul_reference`). Any M, N and K; K is padded with zeros to
+  whole blocks, M and N to whole (64, 128) tiles. Not differentiable: it
+  takes quantized operands; `fp8_linear` is the differentiable layer.
+
+  Returns:
+    (M, N) array of `out_dtype`.
+  """
+  _check_fp8_operand("lhs", lhs)
+  _check_fp8_operand("rhs", rhs)
+  (m, k), (n, rhs_k) = lhs.shape, rhs.shape
+  if k != rhs_k:
+    raise ValueError(f"K of lhs (M, K) and rhs (N, K) differ: {lhs.shape=}, {rhs.shape=}")
+  lhs_scales_shape = scales_shape((m, k), ROW_BLOCK)
+  rhs_scales_shape = scales_shape((n, k), SQUARE_BLOCK)
+  _check_scales("lhs_scales", lhs_scales, lhs_scales_shape, "one per row and 128 of K")
+  _check_scales("rhs_scales", rhs_scales, rhs_scales_shape, "one per 128 of N and 128 of K")
+  out_dtype = operands.check_out_dtype(out_dtype, jnp.bfloat16)
+  epilogue = Epilogue(activation=activation, has_bias=bias is not None)
+  if bias is not None:
+    if bias.shape != (n,):
+      raise ValueError(f"bias must have shape (N,)=({n},), got {bias.shape=}")
+    bias = bias.astype(BIAS_DTYPE)
+  config = Fp8Config() if config is None else config
+  if not isinstance(config, Fp8Config):
+    raise ValueError(f"config must be an Fp8Config, got {type(config).__name__}")
+  lhs_scales = jnp.broadcast_to(lhs_scales, lhs_scales_shape)
+  rhs_scales = jnp.broadcast_to(rhs_scales, rhs_scales_shape)
+  return kernel_call.fp8_block_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, bias,
+                                             config=config, epilogue=epilogue,
+                                             out_dtype=out_dtype)
+
+
+def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
+               config: Fp8Config | None = None) -> jax.Array:
+  """`x @ w + bias` with all three products of training on FP8 tensor cores.
+
+  The forward quantizes x in (1, 128) blocks and w, read transposed, in
+  (128, 128) blocks, and runs `fp8_matmul`. The backward (a
+  `jax.custom_vjp`), as FP8 training recipes do, quantizes the cotangent g
+  too: d x = g @ w.T multiplies g in (1, 128) blocks by w quantized as
+  stored, (K, N) in (128, 128) blocks; d w = x.T @ g multiplies x.T in
+  (1, 128) blocks (along M) by g.T in (128, 128) blocks. Each quantization
+  is one XLA fusion that reads its operand once (the transposes happen in
+  it); the products run on `fp8_matmul`. d bias is g's column sum in float32.
+
+  Args:
+    x: (M, K) bfloat16 or float16.
+    w: (K, N) of x's dtype.
+    bias: (N,) of any float dtype, or None.
+    config: `fp8_matmul`'s, for all three products.
+
+  Returns:
+    (M, N) array of x's dtype. The gradients have the primals' dtypes; their
+    error against a float32 model is e4m3's, a few percent norm-wise (the
+    tests bound it).
+  """
+  for name, array in (("x", x), ("w", w)):
+    if array.ndim != 2:
+      raise ValueError(f"{name} must be 2-D, got {name}.shape={array.shape}")
+  operands.check_operands(x, w)
+  if bias is not None and bias.shape != (w.shape[1],):
+    raise ValueError(f"bias must have shape (N,)=({w.shape[1]},), got {bias.shape=}")
+  config = Fp8Config() if config is None else config
+  if not isinstance(config, Fp8Config):
+    raise ValueError(f"config must be an Fp8Config, got {type(config).__name__}")
+  return _make_fp8_linear(config, bias is not None)(x, w, *(() if bias is None else (bias,)))
+
+
+@functools.cache
+def _make_fp8_linear(config: Fp8Config, has_bias: bool):
+  def product(lhs_rows, rhs_rows, out_dtype, bias=None):
+    """lhs_rows @ rhs_rows.T (+ bias), each quantized along its rows (the contraction)."""
+    lhs, lhs_scales = quantize_fp8(lhs_rows, ROW_BLOCK)
+    rhs, rhs_scales = quantize_fp8(rhs_rows, SQUARE_BLOCK)
+    return fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, bias, out_dtype=out_dtype,
+                      config=config)
+
+  @jax.custom_vjp
+  def linear(x, w, *bias):
+    return product(x, w.T, x.dtype, *bias)
+
+  def forward(x, w, *bias):
+    return linear(x, w, *bias), (x, w, bias)
+
+  def backward(residuals, g):
+    x, w, bias = residuals
+    d_x = product(g, w, x.dtype)
+    d_w = product(x.T, g.T, w.dtype)
+    d_bias = tuple(jnp.sum(g.astype(jnp.float32), axis=0).astype(b.dtype) for b in bias)
+    return tuple(cotangent_like(ct, primal)
+                 for ct, primal in zip((d_x, d_w, *d_bias), (x, w, *bias), strict=True))
+
+  linear.defvjp(forward, backward)
+  return linear

@@ -1,0 +1,115 @@
+"""The block-scaled FP8 matmul (sm_90): the kernel body.
+
+A parallel grid of (`Fp8Config.TILE_M`, `Fp8Config.TILE_N`) output tiles
+(axes "m" and "n"), one warpgroup each, and a pipelined loop over K in steps
+of one scale block (`Fp8Config.TILE_K` = 128).
+
+Hopper's FP8 wgmma accumulates in the tensor cores with fewer bits than
+float32, so a long K loses precision there. Each K step therefore runs its
+wgmmas into a fresh accumulator, and the warpgroup adds that block's product,
+times its scales (the LHS row's for the block, and the RHS block's), to a
+float32 running sum in registers: the error of the tensor cores' sum spans
+one block, whatever K is, and the scales never enter the 8-bit operands.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from core import accumulator, barrier, smem, tile_transforms
+from pipelines.config import Fp8Config
+from pipelines.epilogue import Epilogue
+from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS
+
+
+def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
+                    config: Fp8Config, epilogue: Epilogue) -> None:
+  """Emits this block's tile of `out = epilogue(dequantized lhs @ dequantized rhs.T + bias)`.
+
+  Must be called from a kernel with grid axes `M_AXIS` and `N_AXIS` over the
+  output tiles and one warpgroup per block.
+
+  Args:
+    lhs_gmem: (M, K) float8_e4m3fn, K a multiple of `Fp8Config.TILE_K`.
+    rhs_gmem: (N, K) float8_e4m3fn: the RHS stored transposed, since wgmma
+      reads 8-bit operands K-major only.
+    lhs_scales_gmem: (K // TILE_K, M) float32: the scale of each row's block
+      of K, stored transposed, so that a step's scales for the tile's rows are
+      one contiguous TMA copy.
+    rhs_scales_gmem: (N // TILE_N, L) float32: each column block's scales per
+      K step, padded to L = `Fp8Config.scale_row_length(K // TILE_K)`.
+    rest: the (N,) float32 bias GMEM ref if `epilogue.has_bias`, then the
+      (M, N) output; M and N multiples of the tile.
+    config: the pipeline depth.
+    epilogue: bias and activation, applied to the float32 sum.
+  """
+  bias_gmem, out_gmem = rest if epilogue.has_bias else (None, *rest)
+  tile_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
+  k_steps = lhs_gmem.shape[1] // tile_k
+  m_index, n_index = lax.axis_index(M_AXIS), lax.axis_index(N_AXIS)
+  m_slice = pl.ds(m_index * tile_m, tile_m)
+  n_slice = pl.ds(n_index * tile_n, tile_n)
+  operand_transforms = tile_transforms(tile_k, lhs_gmem.dtype)
+
+  def with_tile_constants(rhs_scales_smem, *rest):
+    # The tile's column block of RHS scales (one per K step) and its bias:
+    # loaded once, read by every step and the epilogue. Each copy arrives on
+    # the barrier once.
+    bias_smem, constants_loaded = rest if epilogue.has_bias else (None, *rest)
+    plgpu.copy_gmem_to_smem(rhs_scales_gmem.at[n_index], rhs_scales_smem, constants_loaded)
+    if bias_smem is not None:
+      plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem, constants_loaded)
+    plgpu.barrier_wait(constants_loaded)
+
+    def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
+      (k,) = indices
+
+      def block_product(acc_ref):
+        plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.T)
+        # Reading the accumulator waits for the wgmmas, so no wgmma reads
+        # this step's slots when the pipeline refills them after the step.
+        return acc_ref[...]
+
+      product = pl.run_scoped(block_product, accumulator((tile_m, tile_n)))
+      # 64 values, one per accumulator row: a plain load does (optimized
+      # vector loads are for the layouts of whole tiles).
+      row_scales = plgpu.load(lhs_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1),
+                              optimized=False)
+      # The pipeline refills this step's slots by TMA once the step returns:
+      # order the register load of the scales before that write to them.
+      plgpu.commit_smem()
+      scales = row_scales * rhs_scales_smem[k]
+      return running_sum + product * lax.broadcast_in_dim(scales, product.shape, (0,))
+
+    zeros = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
+    total = plgpu.emit_pipeline(
+        step,
+        grid=(k_steps,),
+        in_specs=[
+            plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=operand_transforms),
+            plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=operand_transforms),
+            plgpu.BlockSpec((1, tile_m), lambda k: (k, 0)),
+        ],
+        max_concurrent_steps=config.pipeline.steps_for(k_steps),
+        init_carry=zeros,
+    )(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
+    if bias_smem is not None:
+      bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+      total = total + lax.broadcast_in_dim(bias, total.shape, (1,))
+    out = epilogue.apply(total)
+
+    def store(out_smem):
+      out_smem[...] = out.astype(out_smem.dtype)
+      plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
+      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[m_slice, n_slice])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(store, smem((tile_m, tile_n), out_gmem.dtype, swizzled=True))
+
+  bias_scratch = [plgpu.SMEM((tile_n,), jnp.float32)] if epilogue.has_bias else []
+  pl.run_scoped(with_tile_constants,
+                plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32), *bias_scratch,
+                barrier(num_arrivals=1 + len(bias_scratch)))

@@ -1,0 +1,98 @@
+"""FP8 (e4m3) quantization with one float32 scale per block (one XLA fusion).
+
+A tensor is quantized per block: each block of its elements is divided by a
+float32 scale, its largest magnitude over e4m3's largest finite value (448),
+and rounded to e4m3, so one outlier sets the scale of its own block only.
+Activations take blocks of 1x128 along K (a row's block), weights 128x128,
+as FP8 training recipes do (DeepSeek-V3's).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pipelines.config import FP8_DTYPE, FP8_SCALE_BLOCK
+from pipelines.operands import zero_pad
+
+# The largest finite e4m3 value: a block's largest magnitude maps to it.
+E4M3_MAX = float(jnp.finfo(FP8_DTYPE).max)
+# Blocks `quantize_fp8` takes: a row's 128 elements (activations, the LHS)
+# or 128x128 (weights, the RHS).
+ROW_BLOCK = (1, FP8_SCALE_BLOCK)
+SQUARE_BLOCK = (FP8_SCALE_BLOCK, FP8_SCALE_BLOCK)
+BLOCKS = (ROW_BLOCK, SQUARE_BLOCK)
+_QUANTIZABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def scales_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+  """The shape of the scales of a (rows, columns) tensor quantized in `block`s."""
+  return tuple(-(-size // b) for size, b in zip(shape, block, strict=True))
+
+
+def _check_block(block) -> tuple[int, int]:
+  block = tuple(block)
+  if block not in BLOCKS:
+    raise ValueError(f"block={block} must be one of {BLOCKS}")
+  return block
+
+
+def quantize_fp8(x: jax.Array, block: tuple[int, int] = ROW_BLOCK) -> tuple[jax.Array, jax.Array]:
+  """Quantizes `x` to e4m3 with one float32 scale per block (one XLA fusion).
+
+  Args:
+    x: (R, C) float32, bfloat16 or float16, finite (a non-finite element
+      makes its block's scale and values NaN).
+    block: (1, 128): a scale per row and 128 columns (an activation, whose
+      columns are K); (128, 128): per 128x128 block (a weight stored (N, K)).
+      Blocks at the edges may be partial.
+
+  Returns:
+    (values, scales): values (R, C) float8_e4m3fn and scales
+    (ceil(R / block[0]), ceil(C / block[1])) float32, with x[r, c] close to
+    values[r, c] * scales[r // block[0], c // block[1]]: within 2**-4 of
+    |x[r, c]| (e4m3 keeps 3 mantissa bits) plus 2**-10 times the block's
+    scale (half of e4m3's smallest subnormal step, for elements more than
+    2**8 times smaller than their block's largest). A block of zeros has
+    scale 1.
+  """
+  block = _check_block(block)
+  if x.ndim != 2:
+    raise ValueError(f"x must be 2-D (rows, columns), got {x.shape=}")
+  if jnp.dtype(x.dtype) not in _QUANTIZABLE_DTYPES:
+    raise ValueError(f"x.dtype={jnp.dtype(x.dtype).name} must be one of "
+                     f"{[d.name for d in _QUANTIZABLE_DTYPES]}")
+  return _quantize(x, block)
+
+
+@functools.partial(jax.jit, static_argnames="block")
+def _quantize(x: jax.Array, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+  rows, cols = x.shape
+  blocks = scales_shape(x.shape, block)
+  padded = zero_pad(x.astype(jnp.float32), tuple(b * size for b, size in
+                                                 zip(blocks, block, strict=True)))
+  tiles = padded.reshape(blocks[0], block[0], blocks[1], block[1])
+  amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
+  scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  values = (tiles / scales[:, None, :, None]).astype(FP8_DTYPE)
+  return values.reshape(padded.shape)[:rows, :cols], scales
+
+
+def dequantize_fp8(values: jax.Array, scales: jax.Array,
+                   block: tuple[int, int] = ROW_BLOCK) -> jax.Array:
+  """values * scales per block, in float32: the inverse of `quantize_fp8`.
+
+  Args:
+    values: (R, C) float8_e4m3fn.
+    scales: float32, (ceil(R / block[0]), ceil(C / block[1])), or () for
+      one scale for the whole tensor.
+    block: as `quantize_fp8` took it.
+  """
+  block = _check_block(block)
+  scales = jnp.asarray(scales, jnp.float32)
+  if scales.ndim:
+    scales = jnp.repeat(jnp.repeat(scales, block[0], axis=0), block[1], axis=1)
+    scales = scales[:values.shape[0], :values.shape[1]]
+  return values.astype(jnp.float32) * scales

@@ -1,0 +1,237 @@
+"""FP8 quantization and the block-scaled `fp8_matmul`, in interpret mode and on a GPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from core import testing
+from core.numerics import RELATIVE_TOLERANCE, relative_error
+from pipelines import (
+  Epilogue,
+  Fp8Config,
+  dequantize_fp8,
+  fp8_linear,
+  fp8_matmul,
+  fp8_matmul_reference,
+  quantize_fp8,
+)
+from pipelines import matmul_test_base as base
+from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK, scales_shape
+
+# e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2**-4
+# of itself, a subnormal one by half the smallest step, 2**-10 of the scale.
+E4M3_RELATIVE_ROUNDING = 2.0**-4
+E4M3_SUBNORMAL_ROUNDING = 2.0**-10
+# The element-wise bound of `fp8_matmul` against the float32 product of the
+# dequantized operands: each element within this fraction of the sum of its
+# products' magnitudes (Hopper's tensor cores sum a block's FP8 products with
+# about 14 bits; the kernel adds the blocks in float32), plus the output's
+# rounding. The gated activations move an error by at most 1.13x.
+SUM_OF_MAGNITUDES_BOUND = 2.0**-12
+ACTIVATION_SLOPE_BOUND = 1.13
+# A layer's output and gradients against the float32 layer: two e4m3
+# roundings of 2**-4 at most, averaging to a few percent norm-wise.
+FP8_LAYER_TOLERANCE = 0.06
+OUTPUT_ROUNDING = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0**-11,
+                   jnp.dtype(jnp.float32): 2.0**-23}
+
+
+def quantized_operands(seed: int, m: int, k: int, n: int):
+  """(lhs (M, K), rhs (N, K)) e4m3 and their block scales, quantized from
+  random normal data whose magnitude varies by 2**4 between elements and by
+  2**8 between blocks, so that every block's own scale matters (and a
+  float16 output does not overflow)."""
+  def spread(seed, shape, octaves=2):
+    exponents = jax.random.randint(jax.random.key(seed + 100), shape, -octaves, octaves + 1)
+    return testing.random_array(seed, shape, jnp.float32) * jnp.exp2(exponents)
+
+  block_factors = spread(seed + 2, (m, -(-k // 128)), octaves=4) / 64
+  lhs = spread(seed, (m, k)) * jnp.repeat(block_factors, 128, axis=1)[:, :k]
+  rhs_factors = spread(seed + 3, (-(-n // 128), -(-k // 128)), octaves=4)
+  rhs = spread(seed + 1, (n, k)) * jnp.repeat(jnp.repeat(rhs_factors, 128, 0), 128, 1)[:n, :k]
+  return (*quantize_fp8(lhs, ROW_BLOCK), *quantize_fp8(rhs, SQUARE_BLOCK))
+
+
+class QuantizeTest(parameterized.TestCase):
+
+  @parameterized.product(block=[ROW_BLOCK, SQUARE_BLOCK],
+                         dtype=[jnp.float32, jnp.bfloat16, jnp.float16],
+                         shape=[(256, 384), (130, 300)])
+  def test_round_trip_within_e4m3_rounding(self, block, dtype, shape):
+    x = testing.random_array(1, shape, dtype, scale=3.0)
+    values, scales = quantize_fp8(x, block)
+    self.assertEqual((values.dtype, values.shape), (jnp.dtype(jnp.float8_e4m3fn), shape))
+    self.assertEqual((scales.dtype, scales.shape),
+                     (jnp.dtype(jnp.float32), scales_shape(shape, block)))
+    x32 = np.asarray(x, np.float32)
+    scale_of_each = np.asarray(dequantize_fp8(jnp.ones(shape, jnp.float8_e4m3fn), scales, block))
+    bound = E4M3_RELATIVE_ROUNDING * np.abs(x32) + E4M3_SUBNORMAL_ROUNDING * scale_of_each
+    error = np.abs(np.asarray(dequantize_fp8(values, scales, block)) - x32)
+    self.assertTrue(np.all(error <= bound), f"worst excess {np.max(error - bound):.3g}")
+
+  def test_each_block_scales_to_its_own_largest(self):
+    """A block's largest magnitude becomes 448; an outlier moves only its own
+    block's scale; a block of zeros gets scale 1."""
+    x = testing.random_array(2, (256, 256), jnp.float32)
+    x = x.at[3, 7].set(1e4).at[128:, 128:].set(0.0)
+    values, scales = quantize_fp8(x, SQUARE_BLOCK)
+    amax = np.abs(np.asarray(x)).reshape(2, 128, 2, 128).max(axis=(1, 3))
+    np.testing.assert_allclose(np.asarray(scales), np.where(amax > 0, amax / E4M3_MAX, 1.0),
+                               rtol=1e-6)
+    self.assertEqual(float(jnp.max(jnp.abs(values[:128, :128].astype(jnp.float32)))), E4M3_MAX)
+    self.assertFalse(bool(jnp.any(values[128:, 128:].astype(jnp.float32) != 0)))
+    _, row_scales = quantize_fp8(x, ROW_BLOCK)
+    self.assertAlmostEqual(float(row_scales[3, 0]), 1e4 / E4M3_MAX, places=4)
+    self.assertLess(float(row_scales[4, 0]), 1.0)
+
+  def test_errors(self):
+    with self.assertRaisesRegex(ValueError, r"block=\(64, 64\) must be one of"):
+      quantize_fp8(jnp.ones((4, 4)), (64, 64))
+    with self.assertRaisesRegex(ValueError, "x must be 2-D"):
+      quantize_fp8(jnp.ones((2, 4, 4)))
+    with self.assertRaisesRegex(ValueError, "x.dtype=int32 must be one of"):
+      quantize_fp8(jnp.ones((4, 4), jnp.int32))
+
+
+class Fp8MatmulTest(testing.KernelTestCase):
+
+  def check(self, m, k, n, *, seed, out_dtype=jnp.bfloat16, epilogue=Epilogue(),
+            per_tensor=False, config=None):
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(seed, m, k, n)
+    if per_tensor:
+      lhs_scales, rhs_scales = jnp.float32(0.03), jnp.float32(2.0)
+    bias = testing.random_array(seed + 3, (n,), jnp.float32) if epilogue.has_bias else None
+    out = self.run_kernel(fp8_matmul, lhs, rhs, lhs_scales, rhs_scales, bias,
+                          activation=epilogue.activation, out_dtype=out_dtype, config=config)
+    self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype)))
+    ref = fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias, epilogue=epilogue)
+    # Norm-wise as every kernel; element-wise against the sum of magnitudes,
+    # which does not grow with K as a bound relative to |ref| would have to.
+    self.assert_close(out, ref, dtype=out_dtype, tolerance=RELATIVE_TOLERANCE[jnp.dtype(out_dtype)])
+    magnitudes = jnp.dot(jnp.abs(dequantize_fp8(lhs, lhs_scales, ROW_BLOCK)),
+                         jnp.abs(dequantize_fp8(rhs, rhs_scales, SQUARE_BLOCK)).T,
+                         precision=jax.lax.Precision.HIGHEST)
+    bound = (ACTIVATION_SLOPE_BOUND * SUM_OF_MAGNITUDES_BOUND * np.asarray(magnitudes)
+             + OUTPUT_ROUNDING[jnp.dtype(out_dtype)] * np.abs(np.asarray(ref)))
+    error = np.abs(np.asarray(out, np.float32) - np.asarray(ref))
+    self.assertTrue(np.all(error <= bound),
+                    f"{np.count_nonzero(~(error <= bound))} of {error.size} elements outside the "
+                    f"bound; worst excess {np.nanmax(error - bound):.3g}")
+    return out
+
+  @parameterized.product(shape=[(128, 256, 256), (64, 128, 128)],
+                         out_dtype=[jnp.bfloat16, jnp.float16, jnp.float32])
+  def test_matches_reference(self, shape, out_dtype):
+    self.check(*shape, seed=5, out_dtype=out_dtype)
+
+  @parameterized.parameters((100, 200, 136), (8, 40, 300), (200, 384, 64))
+  def test_any_m_k_and_n(self, m, k, n):
+    """M, N off the tile and K off the scale block: padded with zeros."""
+    self.check(m, k, n, seed=7)
+
+  @parameterized.product(activation=base.ACTIVATIONS, has_bias=[False, True])
+  def test_fused_epilogue(self, activation, has_bias):
+    self.check(128, 256, 128, seed=9, out_dtype=jnp.float32,
+               epilogue=Epilogue(activation=activation, has_bias=has_bias))
+
+  def test_one_scale_per_tensor(self):
+    self.check(64, 256, 256, seed=11, per_tensor=True)
+
+  @parameterized.parameters(1, 2, 3)
+  def test_pipeline_depths(self, steps):
+    self.check(64, 512, 128, seed=13, config=Fp8Config(max_concurrent_steps=steps))
+
+  def test_error_does_not_grow_with_k(self):
+    """The scaled sum of each 128-long block runs in float32 outside the
+    tensor cores: at K = 4096 the float32 output keeps the bound that holds
+    at K = 128."""
+    self.check(64, 4096, 128, seed=15, out_dtype=jnp.float32)
+
+  def test_real_size(self):
+    if self.backend != testing.GPU:
+      self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
+    self.check(2048, 8192, 4096, seed=17)
+
+  @parameterized.parameters((0, 256, 128), (64, 256, 0), (64, 0, 128))
+  def test_empty_problems_launch_no_kernel(self, m, k, n):
+    lhs = jnp.zeros((m, k), jnp.float8_e4m3fn)
+    rhs = jnp.zeros((n, k), jnp.float8_e4m3fn)
+    bias = testing.random_array(19, (n,), jnp.float32)
+    with base.no_kernel_built():
+      out = fp8_matmul(lhs, rhs, jnp.float32(1.0), jnp.float32(1.0), bias, activation="relu",
+                       out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.broadcast_to(np.maximum(np.asarray(bias), 0), (m, n)))
+
+  def test_errors(self):
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(21, 64, 256, 128)
+    with self.assertRaisesRegex(ValueError, "lhs.dtype=bfloat16 must be float8_e4m3fn"):
+      fp8_matmul(lhs.astype(jnp.bfloat16), rhs, lhs_scales, rhs_scales)
+    with self.assertRaisesRegex(ValueError, r"K of lhs \(M, K\) and rhs \(N, K\) differ"):
+      fp8_matmul(lhs, rhs[:, :128], lhs_scales, rhs_scales)
+    with self.assertRaisesRegex(ValueError, r"lhs_scales must have shape \(64, 2\)"):
+      fp8_matmul(lhs, rhs, lhs_scales.T, rhs_scales)
+    with self.assertRaisesRegex(ValueError, "rhs_scales must be a float32 array"):
+      fp8_matmul(lhs, rhs, lhs_scales, rhs_scales.astype(jnp.bfloat16))
+    with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(128,\)"):
+      fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, jnp.zeros((64,)))
+    with self.assertRaisesRegex(ValueError, "activation='tanh'"):
+      fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, activation="tanh")
+    with self.assertRaisesRegex(ValueError, "config must be an Fp8Config"):
+      fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, config=object())
+    with self.assertRaisesRegex(ValueError, "max_concurrent_steps must be an int >= 1"):
+      Fp8Config(max_concurrent_steps=0)
+
+
+class Fp8LinearTest(testing.KernelTestCase):
+  """`fp8_linear`: each of its three products is `fp8_matmul` of the operands
+  quantized as the layer says, and the whole is within e4m3's error of the
+  float32 layer."""
+
+  def operands(self, m, k, n, dtype=jnp.bfloat16):
+    return (testing.random_array(31, (m, k), dtype), testing.random_array(32, (k, n), dtype),
+            testing.random_array(33, (n,), jnp.float32), testing.random_array(34, (m, n), dtype))
+
+  def quantized_product(self, lhs_rows, rhs_rows, bias=None):
+    """The float32 reference of one of the layer's products, on the operands
+    quantized as the layer quantizes them."""
+    lhs, lhs_scales = quantize_fp8(lhs_rows, ROW_BLOCK)
+    rhs, rhs_scales = quantize_fp8(rhs_rows, SQUARE_BLOCK)
+    return fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias,
+                                epilogue=Epilogue(has_bias=bias is not None))
+
+  @parameterized.parameters((128, 256, 256), (100, 200, 136))
+  def test_gradients(self, m, k, n):
+    x, w, bias, g = self.operands(m, k, n)
+    run = jax.jit(lambda x, w, b: jax.vjp(fp8_linear, x, w, b))
+    out, vjp = self.run_kernel(run, x, w, bias)
+    d_x, d_w, d_bias = self.run_kernel(jax.jit(vjp), g)
+    self.assertEqual([(a.shape, a.dtype) for a in (out, d_x, d_w, d_bias)],
+                     [((m, n), x.dtype), (x.shape, x.dtype), (w.shape, w.dtype),
+                      (bias.shape, bias.dtype)])
+    # Each product is the FP8 product of what the layer quantized ...
+    self.assert_close(out, self.quantized_product(x, w.T, bias), dtype=jnp.bfloat16)
+    self.assert_close(d_x, self.quantized_product(g, w), dtype=jnp.bfloat16)
+    self.assert_close(d_w, self.quantized_product(x.T, g.T), dtype=jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(d_bias), np.asarray(jnp.sum(g.astype(jnp.float32), 0)),
+                               rtol=1e-5, atol=1e-4)
+    # ... and the layer is within e4m3's error of the float32 one.
+    exact = jax.vjp(lambda x, w, b: x @ w + b, *(a.astype(jnp.float32) for a in (x, w)), bias)
+    exact_grads = exact[1](g.astype(jnp.float32))
+    for name, got, want in zip(("out", "d_x", "d_w"), (out, d_x, d_w),
+                               (exact[0], *exact_grads[:2]), strict=True):
+      self.assertLess(relative_error(got, want), FP8_LAYER_TOLERANCE, name)
+
+  def test_errors(self):
+    x, w, bias, _ = self.operands(64, 128, 128)
+    with self.assertRaisesRegex(ValueError, "x must be 2-D"):
+      fp8_linear(x[None], w)
+    with self.assertRaisesRegex(ValueError, "lhs and rhs dtypes differ"):
+      fp8_linear(x, w.astype(jnp.float16))
+    with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(128,\)"):
+      fp8_linear(x, w, bias[:64])
+
+
+if __name__ == "__main__":
+  absltest.main()
