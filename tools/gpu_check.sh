@@ -6,6 +6,7 @@
 #   tools/gpu_check.sh tests [FILES]    # every test file, MGPU_TEST_BACKEND=gpu, in parallel
 #   tools/gpu_check.sh tune SHAPES...   # autotune_matmul, updates the tuning cache
 #   tools/gpu_check.sh bench [FLAGS]    # bench_matmul
+#   tools/gpu_check.sh bench_fp8 [FLAGS]   # bench_fp8 (FP8 against bf16 and XLA's FP8 GEMM)
 #   tools/gpu_check.sh main [FLAGS]     # examples/allgather_matmul, the main job
 #   tools/gpu_check.sh bench_allgather [FLAGS]   # bench_allgather_matmul (2+ GPUs)
 #
@@ -36,6 +37,9 @@ case "$step" in
   bench)
     $PY tools/bench_matmul.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
     ;;
+  bench_fp8)
+    $PY tools/bench_fp8.py --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/bench_fp8.log"
+    ;;
   main)
     $PY -m examples.allgather_matmul "$@" 2>&1 | tee "$OUT/allgather_matmul.log"
     ;;
@@ -43,7 +47,7 @@ case "$step" in
     $PY -m tools.bench_allgather_matmul --out_dir="$OUT" "$@" 2>&1 | tee "$OUT/bench_allgather.log"
     ;;
   *)
-    echo "usage: $0 tests|tune|bench|main|bench_allgather [args]" >&2
+    echo "usage: $0 tests|tune|bench|bench_fp8|main|bench_allgather [args]" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,194 @@
+"""Benchmarks the block-scaled FP8 matmul against bf16 and XLA's FP8 GEMM.
+
+    bazel run //tools:bench_fp8 -- --out_dir=/tmp/bench
+
+For each problem (by default the bf16 prefill and training-forward GEMMs of
+`tools/model_shapes.py` with at least `--min_m` rows, plus 8192^3), on random
+normal data, it times with CUPTI after warm-up, the implementations taking
+turns for `--rounds` rounds in the same process:
+  jnp.dot                 bf16 `jnp.dot` (the baseline)
+  ours: bf16              `pipelines.matmul` in bf16
+  ours: fp8 block-scaled  `pipelines.fp8_matmul` on operands quantized in
+                          (1, 128) and (128, 128) blocks beforehand (weights
+                          are stored quantized; an activation's quantization
+                          is the `fp8_linear` rows' business)
+  ours: fp8 per-tensor    `fp8_matmul` with one scale per operand
+  xla: fp8 per-tensor     XLA's FP8 GEMM (cuBLAS): the e4m3 operands converted
+                          to bf16 and scaled, which XLA rewrites into one
+                          scaled FP8 GEMM
+  xla: dequantize + bf16  the block-scaled operands dequantized to bf16 and
+                          multiplied by `jnp.dot`: what JAX users do today
+and, with `--train`, a layer's forward + backward from a bf16 cotangent:
+`fp8_linear` against `pipelines.matmul` and XLA's autodiff of `jnp.dot`.
+Each record has the time, TFLOP/s, the ratio to `jnp.dot` (the median of the
+rounds' ratios, and their range) and the relative error against the float32
+product of the unquantized data (FP8's own rounding included).
+
+Writes `fp8_bench.json` to `--out_dir`. Needs a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+from absl import flags
+
+from core import has_gpu, timing
+from core.numerics import relative_error
+from pipelines import dequantize_fp8, fp8_linear, fp8_matmul, matmul, quantize_fp8
+from pipelines.config import FP8_DTYPE
+from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK
+from tools import cli, model_shapes, report
+
+BASELINE = "jnp.dot"
+TRAIN_BASELINE = "train: jnp.dot (XLA autodiff)"
+
+_OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
+                               "Where results go; relative to where the command ran.")
+_SHAPES = flags.DEFINE_list("shapes", None, "Problems as MxKxN (instead of the model shapes).")
+_MIN_M = flags.DEFINE_integer("min_m", 1024, "Fewest rows of a model-suite problem to time.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed runs per implementation and round.")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds in which the implementations take turns.")
+_TRAIN = flags.DEFINE_bool("train", False, "Also time a layer's forward + backward.")
+
+
+def default_problems(min_m: int) -> list[tuple[int, int, int]]:
+  """The (M, K, N) of the models suite's NN prefill and training-forward
+  GEMMs with at least `min_m` rows (both halves), then 8192^3."""
+  steps = {model_shapes.PREFILL, model_shapes.TRAIN_FORWARD}
+  shapes = sorted({(p.m, p.k, p.n) for p in model_shapes.suite()
+                   if p.layout == model_shapes.NN and p.m >= min_m and steps & set(p.steps)})
+  return [*shapes, (8192, 8192, 8192)]
+
+
+def forward_implementations(x, w) -> tuple[dict, dict]:
+  """{name: fn(operands)} of the forward products of x (M, K) @ w (K, N), and
+  `operands`: x and w in bf16, and quantized in blocks and per tensor."""
+  xq, xs = quantize_fp8(x, ROW_BLOCK)
+  wq, ws = quantize_fp8(w.T, SQUARE_BLOCK)
+  x_scale = jnp.max(jnp.abs(x)).astype(jnp.float32) / E4M3_MAX
+  w_scale = jnp.max(jnp.abs(w)).astype(jnp.float32) / E4M3_MAX
+  operands = dict(x=x, w=w, xq=xq, xs=xs, wq=wq, ws=ws, x_scale=x_scale, w_scale=w_scale,
+                  xt=(x / x_scale).astype(FP8_DTYPE), wt=(w.T / w_scale).astype(FP8_DTYPE))
+
+  def times_transposed(lhs, rhs):
+    """lhs @ rhs.T in bf16, as XLA runs it."""
+    return jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+  def xla_per_tensor(o):
+    # Converted and scaled e4m3 operands feeding a dot: XLA's GEMM rewriter
+    # makes this one cuBLAS FP8 GEMM with the two scales.
+    return times_transposed(o["xt"].astype(jnp.bfloat16) * o["x_scale"].astype(jnp.bfloat16),
+                            o["wt"].astype(jnp.bfloat16) * o["w_scale"].astype(jnp.bfloat16))
+
+  def dequantized(o):
+    return times_transposed(dequantize_fp8(o["xq"], o["xs"], ROW_BLOCK).astype(jnp.bfloat16),
+                            dequantize_fp8(o["wq"], o["ws"], SQUARE_BLOCK).astype(jnp.bfloat16))
+
+  impls = {
+      BASELINE: lambda o: jnp.dot(o["x"], o["w"]),
+      "ours: bf16": lambda o: matmul(o["x"], o["w"]),
+      "ours: fp8 block-scaled": lambda o: fp8_matmul(o["xq"], o["wq"], o["xs"], o["ws"]),
+      "ours: fp8 per-tensor": lambda o: fp8_matmul(o["xt"], o["wt"], o["x_scale"],
+                                                   o["w_scale"]),
+      "xla: fp8 per-tensor": xla_per_tensor,
+      "xla: dequantize + bf16": dequantized,
+  }
+  return impls, operands
+
+
+def train_implementations(cotangent) -> dict:
+  """{name: fn(x, w)}: a linear layer's forward + backward from `cotangent`."""
+  def step(layer):
+    def run(x, w):
+      out, vjp = jax.vjp(layer, x, w)
+      return out, *vjp(cotangent)
+    return run
+
+  return {TRAIN_BASELINE: step(jnp.dot), "train: ours bf16": step(matmul),
+          "train: ours fp8_linear": step(fp8_linear)}
+
+
+def time_in_rounds(impls: dict, args, *, flops: int, baseline: str, reference,
+                   iterations: int, rounds: int) -> list[dict]:
+  """Times `impls` taking turns for `rounds` rounds; one record each, against `baseline`."""
+  timings = {name: [] for name in impls}
+  records = {}
+  for _ in range(rounds):
+    for name, fn in impls.items():
+      if "error" in records.get(name, {}):
+        continue
+      try:
+        t, out = timing.time_gpu(name, jax.jit(fn), args, flops=flops, iterations=iterations)
+      except Exception as e:  # noqa: BLE001 - a failing implementation is reported.
+        records[name] = dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300])
+        continue
+      timings[name].append(t)
+      records.setdefault(name, dict(kernel=name, compile_s=t.compile_s, rel_error=max(
+          relative_error(o, r) for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(reference),
+                                               strict=True))))
+  for name, record in records.items():
+    if "error" not in record and timings[baseline]:
+      summary = timing.compare_rounds(timings[name], timings[baseline])
+      record.update(summary, ratio_to_dot=summary.pop("ratio"))
+  return list(records.values())
+
+
+def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
+                  rounds: int) -> list[dict]:
+  x, w = cli.random_operands(m, k, n, jnp.bfloat16)
+  shape = dict(shape=f"{m}x{k}x{n}", layout="NN")
+  impls, operands = forward_implementations(x, w)
+  exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                  precision=jax.lax.Precision.HIGHEST)
+  records = [dict(r, dtype="float8_e4m3fn", **shape) for r in time_in_rounds(
+      impls, (operands,), flops=2 * m * k * n, baseline=BASELINE, reference=exact,
+      iterations=iterations, rounds=rounds)]
+  if train:
+    cotangent = jax.random.normal(jax.random.key(2), (m, n), jnp.float32).astype(jnp.bfloat16)
+    exact_grads = jax.vjp(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST),
+                          x.astype(jnp.float32), w.astype(jnp.float32))
+    reference = (exact_grads[0], *exact_grads[1](cotangent.astype(jnp.float32)))
+    records += [dict(r, dtype="float8_e4m3fn", **shape) for r in time_in_rounds(
+        train_implementations(cotangent), (x, w), flops=3 * 2 * m * k * n,
+        baseline=TRAIN_BASELINE, reference=reference, iterations=iterations, rounds=rounds)]
+  return records
+
+
+def summary(records: list[dict]) -> list[str]:
+  """Each implementation's median ratio to its baseline over the problems."""
+  lines = []
+  for name in dict.fromkeys(r["kernel"] for r in records):
+    ratios = [r["ratio_to_dot"] for r in records if r["kernel"] == name and "ratio_to_dot" in r]
+    if ratios and name not in (BASELINE, TRAIN_BASELINE):
+      lines.append(f"median ratio, {name}: {statistics.median(ratios):.3f} "
+                   f"({len(ratios)} problems)")
+  return lines
+
+
+def main(argv):
+  del argv
+  if not has_gpu():
+    raise SystemExit("bench_fp8 needs a Hopper GPU; none is visible to JAX.")
+  out_dir = cli.output_dir(_OUT_DIR.value)
+  problems = ([cli.parse_shape(s) for s in _SHAPES.value] if _SHAPES.value
+              else default_problems(_MIN_M.value))
+  path = os.path.join(out_dir, "fp8_bench.json")
+  records = []
+  for m, k, n in problems:
+    records += bench_problem(m, k, n, train=_TRAIN.value, iterations=_ITERATIONS.value,
+                             rounds=_ROUNDS.value)
+    report.write_json(path, records)  # After each problem, so a stopped run keeps them.
+  report.print_table(records, ["shape", "kernel", "median_us", "tflops", "ratio_to_dot",
+                               "ratio_min", "ratio_max", "rel_error", "error"])
+  for line in summary(records):
+    print(line)
+  cli.say_written([path])
+
+
+if __name__ == "__main__":
+  cli.run(main)

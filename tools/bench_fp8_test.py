@@ -1,0 +1,52 @@
+"""bench_fp8's problems, and that every implementation it times computes the
+product it names (interpret mode on CPU)."""
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest
+
+from core import testing
+from core.numerics import relative_error
+from tools import bench_fp8 as bench
+
+# Every FP8 path rounds both operands to e4m3 (3 mantissa bits).
+FP8_TOLERANCE = 0.06
+
+
+class ProblemsTest(absltest.TestCase):
+
+  def test_model_shapes_with_many_rows(self):
+    problems = bench.default_problems(1024)
+    self.assertGreaterEqual(len(problems), 10)
+    self.assertTrue(all(m >= 1024 for m, _, _ in problems))
+    self.assertIn((8192, 8192, 8192), problems)
+
+
+class ImplementationsTest(testing.KernelTestCase):
+
+  def test_each_forward_is_the_product(self):
+    x, w = (testing.random_array(1, (128, 256), jnp.bfloat16),
+            testing.random_array(2, (256, 128), jnp.bfloat16))
+    exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+    impls, operands = bench.forward_implementations(x, w)
+    self.assertLen(impls, 6)
+    for name, fn in impls.items():
+      out = self.run_kernel(jax.jit(fn), operands)
+      self.assertEqual((out.shape, out.dtype), (exact.shape, jnp.dtype(jnp.bfloat16)), name)
+      self.assertLess(relative_error(out, exact), FP8_TOLERANCE, name)
+
+  def test_each_training_step_has_the_gradients(self):
+    x, w = (testing.random_array(3, (64, 128), jnp.bfloat16),
+            testing.random_array(4, (128, 128), jnp.bfloat16))
+    g = testing.random_array(5, (64, 128), jnp.bfloat16)
+    want = [x.astype(jnp.float32) @ w.astype(jnp.float32),
+            g.astype(jnp.float32) @ w.astype(jnp.float32).T,
+            x.astype(jnp.float32).T @ g.astype(jnp.float32)]
+    for name, fn in bench.train_implementations(g).items():
+      got = self.run_kernel(jax.jit(fn), x, w)
+      for part, (a, b) in zip(("out", "d x", "d w"), zip(got, want, strict=True), strict=True):
+        self.assertLess(relative_error(a, b), FP8_TOLERANCE, f"{name}: {part}")
+
+
+if __name__ == "__main__":
+  absltest.main()
