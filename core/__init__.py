@@ -13,6 +13,7 @@ from core.memory import (
     barrier,
     require_space,
     smem,
+    store_tile,
     swizzle_bytes,
     tile_transforms,
     tma_copies_in_place,
@@ -24,6 +25,7 @@ __all__ = [
     "GMEM", "REGS", "SMEM", "TMEM", "HOPPER_DEFAULTS", "DeviceFacts", "PipelineOptions",
     "SmemBudget", "SmemBuffer", "accumulator", "barrier", "compiler_params", "device_facts",
     "has_gpu", "interpret_mode", "interpret_params", "is_interpreting", "races_found",
-    "require_space", "sequential_grid_semantics", "smem", "swizzle_bytes", "tile_transforms",
+    "require_space", "sequential_grid_semantics", "smem", "store_tile", "swizzle_bytes",
+    "tile_transforms",
     "tma_copies_in_place", "tma_swizzle",
 ]

@@ -18,6 +18,7 @@ TMEM exists only on Blackwell; it is named here so that code can say so, and
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core.device import WGMMA_M, WGMMA_N_MULTIPLE
@@ -137,6 +138,20 @@ def smem(shape: tuple[int, ...], dtype, *, swizzled: bool = False, swizzle: int 
     raise ValueError(f"SMEM shape must be positive, got {shape}")
   transforms = tile_transforms(shape[-1], dtype, swizzle=swizzle) if swizzled else ()
   return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def store_tile(value, out_gmem) -> None:
+  """Stores a register tile to `out_gmem` (a GMEM ref of its shape) with TMA,
+  staged in a swizzled SMEM tile of `out_gmem`'s dtype in a scope of its own,
+  and waits until the copy has read SMEM (its GMEM write completes on its
+  own), so the scope's SMEM may be reused as soon as this returns."""
+  def store(out_smem):
+    out_smem[...] = value.astype(out_smem.dtype)
+    plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(store, smem(out_gmem.shape, out_gmem.dtype, swizzled=True))
 
 
 def accumulator(shape: tuple[int, int]):

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import accumulator, barrier, smem, tile_transforms
+from core import accumulator, barrier, store_tile, tile_transforms
 from pipelines.config import Fp8Config
 from pipelines.epilogue import Epilogue
 from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS
@@ -99,15 +99,7 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
     if bias_smem is not None:
       bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
       total = total + lax.broadcast_in_dim(bias, total.shape, (1,))
-    out = epilogue.apply(total)
-
-    def store(out_smem):
-      out_smem[...] = out.astype(out_smem.dtype)
-      plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
-      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[m_slice, n_slice])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    pl.run_scoped(store, smem((tile_m, tile_n), out_gmem.dtype, swizzled=True))
+    store_tile(epilogue.apply(total), out_gmem.at[m_slice, n_slice])
 
   bias_scratch = [plgpu.SMEM((tile_n,), jnp.float32)] if epilogue.has_bias else []
   pl.run_scoped(with_tile_constants,

@@ -148,6 +148,16 @@ class Fp8MatmulTest(testing.KernelTestCase):
     at K = 128."""
     self.check(64, 4096, 128, seed=15, out_dtype=jnp.float32)
 
+  @parameterized.parameters(False, True)
+  def test_lowers_for_the_gpu(self, has_bias):
+    """Mosaic GPU's own checks (wgmma's operand layouts for 8-bit types, the
+    TMA copies) run when the kernel is lowered for CUDA, which a CPU does too."""
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(23, 100, 200, 136)
+    bias = testing.random_array(24, (136,), jnp.float32) if has_bias else None
+    text = testing.lowered_for_gpu(
+        lambda *a: fp8_matmul(*a, bias, activation="silu"), lhs, rhs, lhs_scales, rhs_scales)
+    self.assertEqual(testing.mosaic_kernel_count(text), 1)
+
   def test_real_size(self):
     if self.backend != testing.GPU:
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
@@ -222,6 +232,11 @@ class Fp8LinearTest(testing.KernelTestCase):
     for name, got, want in zip(("out", "d_x", "d_w"), (out, d_x, d_w),
                                (exact[0], *exact_grads[:2]), strict=True):
       self.assertLess(relative_error(got, want), FP8_LAYER_TOLERANCE, name)
+
+  def test_backward_lowers_for_the_gpu(self):
+    x, w, _, g = self.operands(128, 256, 256)
+    text = testing.lowered_for_gpu(lambda x, w: jax.vjp(fp8_linear, x, w)[1](g), x, w)
+    self.assertEqual(testing.mosaic_kernel_count(text), 2)
 
   def test_errors(self):
     x, w, bias, _ = self.operands(64, 128, 128)

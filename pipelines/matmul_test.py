@@ -52,6 +52,11 @@ class MatmulTest(base.MatmulTestBase):
     problem = ops.MatmulProblem(m=200, k=k, n=136, dtype=jnp.dtype(jnp.bfloat16), layout=layout)
     tn = layout.transpose_lhs and not layout.transpose_rhs
     self.assertEqual(default_config(problem, jnp.bfloat16).tile_k < 64, not tn)
+    # Mosaic GPU's wgmma checks run when the kernel is lowered for CUDA (on a
+    # CPU too); the interpreter does not make them.
+    lowered = testing.lowered_for_gpu(functools.partial(self.run_matmul, layout=layout),
+                                      *base.operands(43, 200, k, 136, jnp.bfloat16, layout))
+    self.assertEqual(testing.mosaic_kernel_count(lowered), 1)
     self.check((200, k, 136), jnp.bfloat16, seed=43, layout=layout,
                epilogue=Epilogue(activation="gelu", has_bias=True))
 

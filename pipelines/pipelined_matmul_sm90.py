@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import accumulator, smem, tile_transforms
+from core import accumulator, store_tile, tile_transforms
 from pipelines.config import PipelinedConfig
 
 M_AXIS, N_AXIS = "m", "n"
@@ -63,11 +63,4 @@ def emit_pipelined_matmul(lhs_gmem, rhs_gmem, out_gmem, *, config: PipelinedConf
     return acc_ref[...]  # Reading the accumulator waits for all wgmmas.
 
   acc = pl.run_scoped(accumulate, accumulator((tile_m, tile_n)))
-
-  def store(out_smem):
-    out_smem[...] = acc.astype(out_smem.dtype)
-    plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[m_slice, n_slice])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  pl.run_scoped(store, smem((tile_m, tile_n), out_gmem.dtype, swizzled=True))
+  store_tile(acc, out_gmem.at[m_slice, n_slice])
