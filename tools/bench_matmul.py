@@ -25,7 +25,8 @@ decode), each problem in its own layout (--layout does not apply) and each
 record tagged with its half, models, roles and steps; `--half=fit|check|both`
 picks the half of its model families (the check half is what targets are
 judged on), and the run ends with each kernel's median ratio per half and the
-count below 0.95x, the heuristic alone beside the tuning cache.
+count below 0.95x, the heuristic alone beside the tuning cache. A run stopped by a
+time limit is finished by another with `--skip_done=` its JSON.
 Where the tuning cache has an entry, a second row shows the heuristic's config.
 `--layout=TN` (repeatable: NN, TN, NT, TT) times operands stored transposed,
 against XLA's dot_general on the same stored arrays; `--backward` adds the
@@ -39,6 +40,7 @@ where. Needs a Hopper GPU.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import statistics
 
@@ -114,6 +116,10 @@ _LAYOUTS = flags.DEFINE_multi_enum(
     "Operand layouts (T: stored transposed, lhs then rhs); repeat the flag for several.")
 _BACKWARD = flags.DEFINE_bool(
     "backward", False, "Also time the backward pass of gelu(lhs @ rhs + bias) against XLA's.")
+_SKIP_DONE = flags.DEFINE_string(
+    "skip_done", None, "A matmul_bench.json of an earlier run (a path relative to where the "
+    "command ran): problems it timed in a dtype and layout are not timed again, so a run "
+    "stopped by a time limit can be finished by another.")
 _WS_CONFIGS = flags.DEFINE_multi_string(
     "ws_config", [], "TuningConfig fields for extra warp-specialized rows (besides the "
     "cache/heuristic one); repeat the flag to time several.")
@@ -302,6 +308,12 @@ def problem_list(suite: str, layouts: list[OperandLayout], *, shapes=None,
           for p in SUITES[suite] if half in (BOTH_HALVES, p.half)]
 
 
+def done_problems(records: list[dict]) -> set[tuple[str, str, str]]:
+  """The (shape, dtype, layout) that `records` (a run's JSON) timed `jnp.dot` on."""
+  return {(r["shape"], r["dtype"], r["layout"]) for r in records
+          if r.get("kernel") == "jnp.dot" and "median_us" in r}
+
+
 def ratio_summary(records: list[dict]) -> list[str]:
   """Each kernel's median ratio to jnp.dot; for the models suite per half, with the
   count below SLOW_RATIO, and the heuristic alone: per problem, the heuristic config's
@@ -346,10 +358,16 @@ def main(argv):
   shapes = [cli.parse_shape(shape) for shape in _SHAPES.value or ()]
   json_path, png_path = (os.path.join(out_dir, name)
                          for name in ("matmul_bench.json", "matmul_bench.png"))
+  done = set()
+  if _SKIP_DONE.value:
+    with open(cli.user_path(_SKIP_DONE.value)) as f:
+      done = done_problems(json.load(f))
   for (m, k, n), problem_layouts, tags in problem_list(_SUITE.value, layouts, shapes=shapes,
                                                        half=_HALF.value):
     for dtype in _DTYPES.value:
       for layout in problem_layouts:
+        if (f"{m}x{k}x{n}", jnp.dtype(dtype).name, layout.name) in done:
+          continue
         records += [dict(r, **tags) for r in bench_problem(m, k, n, jnp.dtype(dtype), layout)]
       if _BACKWARD.value:
         records += [dict(r, **tags) for r in bench_backward(m, k, n, jnp.dtype(dtype))]

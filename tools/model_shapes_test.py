@@ -208,6 +208,19 @@ class BenchMatmulTest(absltest.TestCase):
     self.assertEqual(bench_matmul.problem_list("models", layouts, shapes=[(8, 16, 32)]),
                      [((8, 16, 32), layouts, {})])
 
+  def test_a_stopped_run_is_finished_without_its_timed_problems(self):
+    """--skip_done: what an earlier run timed jnp.dot on, in its dtype and
+    layout, is not timed again; a problem whose jnp.dot failed is."""
+    def record(kernel, shape, dtype="bfloat16", layout="NN", **rest):
+      return dict(kernel=kernel, shape=shape, dtype=dtype, layout=layout, **rest)
+
+    earlier = [record("jnp.dot", "16x4096x4096", median_us=7.7),
+               record("ours: warp-specialized", "16x4096x4096", median_us=9.5),
+               record("jnp.dot", "64x4096x18944", layout="TN", median_us=47.8),
+               record("jnp.dot", "1x2x3", error="RuntimeError")]
+    self.assertEqual(bench_matmul.done_problems(earlier),
+                     {("16x4096x4096", "bfloat16", "NN"), ("64x4096x18944", "bfloat16", "TN")})
+
   def test_summary_per_half(self):
     def record(kernel, shape, ratio, half):
       return dict(kernel=kernel, shape=shape, dtype="float16", layout="NN", ratio_to_dot=ratio,
