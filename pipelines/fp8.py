@@ -11,6 +11,7 @@ products on `fp8_matmul`.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -106,26 +107,30 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
   it); the products run on `fp8_matmul`. d bias is g's column sum in float32.
 
   Args:
-    x: (M, K) bfloat16 or float16.
+    x: (..., K) bfloat16 or float16; leading dimensions are rows (M), as a
+      Dense layer's batch and sequence dimensions are.
     w: (K, N) of x's dtype.
     bias: (N,) of any float dtype, or None.
     config: `fp8_matmul`'s, for all three products.
 
   Returns:
-    (M, N) array of x's dtype. The gradients have the primals' dtypes; their
-    error against a float32 model is e4m3's, a few percent norm-wise (the
-    tests bound it).
+    (..., N) array of x's dtype. The gradients have the primals' dtypes;
+    their error against a float32 model is e4m3's, a few percent norm-wise
+    (the tests bound it).
   """
-  for name, array in (("x", x), ("w", w)):
-    if array.ndim != 2:
-      raise ValueError(f"{name} must be 2-D, got {name}.shape={array.shape}")
-  operands.check_operands(x, w)
+  if x.ndim < 2:
+    raise ValueError(f"x must be (..., K) with at least one row dimension, got {x.shape=}")
+  if w.ndim != 2:
+    raise ValueError(f"w must be 2-D (K, N), got {w.shape=}")
+  rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+  operands.check_operands(rows, w)
   if bias is not None and bias.shape != (w.shape[1],):
     raise ValueError(f"bias must have shape (N,)=({w.shape[1]},), got {bias.shape=}")
   config = Fp8Config() if config is None else config
   if not isinstance(config, Fp8Config):
     raise ValueError(f"config must be an Fp8Config, got {type(config).__name__}")
-  return _make_fp8_linear(config, bias is not None)(x, w, *(() if bias is None else (bias,)))
+  out = _make_fp8_linear(config, bias is not None)(rows, w, *(() if bias is None else (bias,)))
+  return out.reshape(*x.shape[:-1], w.shape[1])
 
 
 @functools.cache

@@ -238,10 +238,27 @@ class Fp8LinearTest(testing.KernelTestCase):
     text = testing.lowered_for_gpu(lambda x, w: jax.vjp(fp8_linear, x, w)[1](g), x, w)
     self.assertEqual(testing.mosaic_kernel_count(text), 2)
 
+  def test_leading_dimensions_are_rows(self):
+    """A (batch, sequence, K) activation, as a Dense layer gets it, under
+    jit and grad: the same as its rows folded into M."""
+    x, w, bias, _ = self.operands(128, 256, 128)
+    batched = x.reshape(2, 64, 256)
+
+    def loss(x, w, b):
+      return jnp.sum(fp8_linear(x, w, b).astype(jnp.float32) ** 2)
+
+    got = self.run_kernel(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), batched, w, bias)
+    want = self.run_kernel(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), x, w, bias)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    for g, h in zip(got[1], want[1], strict=True):
+      np.testing.assert_array_equal(np.asarray(g).reshape(h.shape), np.asarray(h))
+
   def test_errors(self):
     x, w, bias, _ = self.operands(64, 128, 128)
-    with self.assertRaisesRegex(ValueError, "x must be 2-D"):
-      fp8_linear(x[None], w)
+    with self.assertRaisesRegex(ValueError, "x must be .* at least one row dimension"):
+      fp8_linear(x[0], w)
+    with self.assertRaisesRegex(ValueError, r"w must be 2-D \(K, N\)"):
+      fp8_linear(x, w[None])
     with self.assertRaisesRegex(ValueError, "lhs and rhs dtypes differ"):
       fp8_linear(x, w.astype(jnp.float16))
     with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(128,\)"):
