@@ -97,17 +97,21 @@ FP8_SCALE_BLOCK = 128
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fp8Config:
-  """The block-scaled FP8 matmul (`fp8_matmul`): one warpgroup per output tile.
+  """The block-scaled FP8 matmul (`fp8_matmul`).
 
-  The tile is fixed at (`TILE_M`, `TILE_N`) with K steps of `TILE_K`: a K
-  step is one scale block, so each step's wgmma product is scaled once and
-  added to a float32 running sum in registers, and the tile's width is one
-  block of the RHS's scales, so each step has one RHS scale. The warpgroup
-  holds the step's accumulator and the running sum, 64 registers a thread
-  each.
+  Each compute warpgroup owns (`TILE_M`, `TILE_N`) of the output and steps
+  through K in `TILE_K`: a K step is one scale block, so each step's wgmma
+  product is scaled once and added to a float32 running sum in registers,
+  and the width is one block of the RHS's scales, so each step has one RHS
+  scale. The warpgroup holds the step's accumulator and the running sum, 64
+  registers a thread each.
 
   Attributes:
     max_concurrent_steps: SMEM slots per operand (clamped to the K steps).
+    compute_wgs: compute warpgroups per CTA tile: 1, a (64, 128) tile whose
+      warpgroup also issues the loads (`emit_fp8_matmul`); or 2, a (128, 128)
+      tile with a memory warpgroup that loads each step once for both
+      (`emit_fp8_matmul_warp_specialized`).
   """
 
   TILE_M: ClassVar[int] = WGMMA_M
@@ -115,9 +119,16 @@ class Fp8Config:
   TILE_K: ClassVar[int] = FP8_SCALE_BLOCK
 
   max_concurrent_steps: int = 4
+  compute_wgs: int = 1
 
   def __post_init__(self):
     self.pipeline  # Validates the depth.  # noqa: B018
+    if self.compute_wgs not in (1, NUM_COMPUTE_WGS):
+      raise ValueError(f"compute_wgs={self.compute_wgs!r} must be 1 or {NUM_COMPUTE_WGS}")
+
+  @property
+  def cta_tile_m(self) -> int:
+    return self.compute_wgs * self.TILE_M
 
   @property
   def pipeline(self) -> PipelineOptions:
@@ -128,26 +139,27 @@ class Fp8Config:
     slots and the RHS's scales for the tile's column block (and its bias)
     through the K loop, then the output's staging tile."""
     steps = self.pipeline.steps_for(k_steps)
+    cta_m = self.cta_tile_m
     tile_constants = [SmemBuffer(name="rhs_scales_smem", shape=(self.scale_row_length(k_steps),),
                                  dtype=jnp.float32)]
     if has_bias:
       tile_constants.append(SmemBuffer(name="bias_smem", shape=(self.TILE_N,),
                                        dtype=jnp.float32))
-    return SmemBudget(
-        phases=(
-            (SmemBuffer(name="lhs_smem", shape=(self.TILE_M, self.TILE_K), dtype=FP8_DTYPE,
+    slots = (SmemBuffer(name="lhs_smem", shape=(cta_m, self.TILE_K), dtype=FP8_DTYPE,
                         copies=steps),
              SmemBuffer(name="rhs_smem", shape=(self.TILE_N, self.TILE_K), dtype=FP8_DTYPE,
                         copies=steps),
-             SmemBuffer(name="lhs_scales_smem", shape=(1, self.TILE_M), dtype=jnp.float32,
-                        copies=steps),
-             *tile_constants),
-            (*tile_constants,
-             SmemBuffer(name="out_smem", shape=(self.TILE_M, self.TILE_N), dtype=out_dtype)),
-        ),
-        # One TMA-completion barrier per slot, one for the tile's constants.
-        num_barriers=steps + 1,
-    )
+             SmemBuffer(name="lhs_scales_smem", shape=(1, cta_m), dtype=jnp.float32,
+                        copies=steps))
+    out_smem = SmemBuffer(name="out_smem", shape=(cta_m, self.TILE_N), dtype=out_dtype)
+    if self.compute_wgs == 1:
+      # The K loop, then the epilogue's staging tile in a scope of its own;
+      # one TMA-completion barrier per slot, one for the tile's constants.
+      return SmemBudget(phases=((*slots, *tile_constants), (*tile_constants, out_smem)),
+                        num_barriers=steps + 1)
+    # Every warpgroup's staging tile is allocated beside the pipeline; each
+    # slot has a loaded and a consumed barrier.
+    return SmemBudget(phases=((*slots, *tile_constants, out_smem),), num_barriers=2 * steps + 1)
 
   @staticmethod
   def scale_row_length(k_steps: int) -> int:

@@ -62,7 +62,7 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
   times its two scales, to a float32 sum outside them, so the error does not
   grow with K beyond float32 summation's (the tests bound it at K = 4096
   against `fp8_matmul_reference`). Any M, N and K; K is padded with zeros to
-  whole blocks, M and N to whole (64, 128) tiles. Not differentiable: it
+  whole blocks, M and N to whole tiles (`Fp8Config`). Not differentiable: it
   takes quantized operands; `fp8_linear` is the differentiable layer.
 
   Returns:

@@ -19,9 +19,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import accumulator, barrier, store_tile, tile_transforms
-from pipelines.config import Fp8Config
+from core import accumulator, barrier, smem, store_tile, tile_transforms
+from pipelines.config import NUM_COMPUTE_WGS, Fp8Config
 from pipelines.epilogue import Epilogue
+from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS
 from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS
 
 
@@ -105,3 +106,90 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
   pl.run_scoped(with_tile_constants,
                 plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32), *bias_scratch,
                 barrier(num_arrivals=1 + len(bias_scratch)))
+
+
+def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem,
+                                     *rest, config: Fp8Config, epilogue: Epilogue) -> None:
+  """`emit_fp8_matmul` on (128, TILE_N) tiles: two compute warpgroups, one per
+  64 rows, and a memory warpgroup that loads each step's operands once for
+  both (twice the multiply-adds per byte read of one warpgroup's tile).
+
+  While one compute warpgroup scales its step's product, the other's wgmmas
+  can run. Must be called from a kernel with grid axes `M_AXIS` and `N_AXIS`
+  and `NUM_COMPUTE_WGS` + 1 warpgroups on `WG_AXIS`; the arguments are
+  `emit_fp8_matmul`'s, with M a multiple of 128.
+  """
+  bias_gmem, out_gmem = rest if epilogue.has_bias else (None, *rest)
+  wg_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
+  cta_m = NUM_COMPUTE_WGS * wg_m
+  k_steps = lhs_gmem.shape[1] // tile_k
+  m_index, n_index = lax.axis_index(M_AXIS), lax.axis_index(N_AXIS)
+  wg = lax.axis_index(WG_AXIS)
+  m_slice = pl.ds(m_index * cta_m, cta_m)
+  n_slice = pl.ds(n_index * tile_n, tile_n)
+  wg_rows = pl.ds(wg * wg_m, wg_m)
+  operand_transforms = tile_transforms(tile_k, lhs_gmem.dtype)
+
+  def scoped(out_smem, rhs_scales_smem, *rest):
+    bias_smem, constants_loaded = rest if epilogue.has_bias else (None, *rest)
+
+    def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
+      (k,) = indices
+
+      def block_product(acc_ref):
+        plgpu.wgmma(acc_ref, lhs_smem.at[wg_rows], rhs_smem.T)
+        # Reading the accumulator waits for the wgmmas, so no wgmma reads
+        # this step's slots when this warpgroup releases them.
+        return acc_ref[...]
+
+      product = pl.run_scoped(block_product, accumulator((wg_m, tile_n)))
+      row_scales = plgpu.load(lhs_scales_smem.at[0, wg_rows],
+                              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+      # The memory warpgroup refills this slot by TMA once both compute
+      # warpgroups release it: order this register load before that write.
+      plgpu.commit_smem()
+      scales = row_scales * rhs_scales_smem[k]
+      return running_sum + product * lax.broadcast_in_dim(scales, product.shape, (0,))
+
+    def compute_context(run_pipeline):
+      # The tile's RHS scales and bias, loaded once by the first compute
+      # warpgroup; each copy arrives on the barrier once, both wait for it.
+      @pl.when(wg == 0)
+      def _load_constants():
+        plgpu.copy_gmem_to_smem(rhs_scales_gmem.at[n_index], rhs_scales_smem, constants_loaded)
+        if bias_smem is not None:
+          plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem, constants_loaded)
+
+      plgpu.barrier_wait(constants_loaded)
+      zeros = plgpu.layout_cast(jnp.zeros((wg_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
+      total = run_pipeline(zeros)
+      if bias_smem is not None:
+        bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+        total = total + lax.broadcast_in_dim(bias, total.shape, (1,))
+      # Each warpgroup stages its rows in its own SMEM tile.
+      out_smem[wg] = epilogue.apply(total).astype(out_smem.dtype)
+      plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
+      plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[m_slice, n_slice].at[wg_rows])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    plgpu.emit_pipeline_warp_specialized(
+        step,
+        grid=(k_steps,),
+        memory_registers=MEMORY_WG_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=operand_transforms),
+            plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=operand_transforms),
+            plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)),
+        ],
+        wg_axis=WG_AXIS,
+        num_compute_wgs=NUM_COMPUTE_WGS,
+        max_concurrent_steps=config.pipeline.steps_for(k_steps),
+        compute_context=compute_context,
+    )(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
+
+  bias_scratch = [plgpu.SMEM((tile_n,), jnp.float32)] if epilogue.has_bias else []
+  # Allocated once for all warpgroups of the block.
+  pl.run_scoped(scoped,
+                smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
+                plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32), *bias_scratch,
+                barrier(num_arrivals=1 + len(bias_scratch)), collective_axes=WG_AXIS)

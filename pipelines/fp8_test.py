@@ -1,5 +1,7 @@
 """FP8 quantization and the block-scaled `fp8_matmul`, in interpret mode and on a GPU."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,9 +97,14 @@ class QuantizeTest(parameterized.TestCase):
 
 
 class Fp8MatmulTest(testing.KernelTestCase):
+  """The cases of `fp8_matmul`, on its one-warpgroup kernel (the subclass
+  below runs them on the warp-specialized one)."""
+
+  config = Fp8Config()
 
   def check(self, m, k, n, *, seed, out_dtype=jnp.bfloat16, epilogue=Epilogue(),
             per_tensor=False, config=None):
+    config = self.config if config is None else config
     lhs, lhs_scales, rhs, rhs_scales = quantized_operands(seed, m, k, n)
     if per_tensor:
       lhs_scales, rhs_scales = jnp.float32(0.03), jnp.float32(2.0)
@@ -140,7 +147,8 @@ class Fp8MatmulTest(testing.KernelTestCase):
 
   @parameterized.parameters(1, 2, 3)
   def test_pipeline_depths(self, steps):
-    self.check(64, 512, 128, seed=13, config=Fp8Config(max_concurrent_steps=steps))
+    self.check(64, 512, 128, seed=13,
+               config=dataclasses.replace(self.config, max_concurrent_steps=steps))
 
   def test_error_does_not_grow_with_k(self):
     """The scaled sum of each 128-long block runs in float32 outside the
@@ -155,7 +163,8 @@ class Fp8MatmulTest(testing.KernelTestCase):
     lhs, lhs_scales, rhs, rhs_scales = quantized_operands(23, 100, 200, 136)
     bias = testing.random_array(24, (136,), jnp.float32) if has_bias else None
     text = testing.lowered_for_gpu(
-        lambda *a: fp8_matmul(*a, bias, activation="silu"), lhs, rhs, lhs_scales, rhs_scales)
+        lambda *a: fp8_matmul(*a, bias, activation="silu", config=self.config),
+        lhs, rhs, lhs_scales, rhs_scales)
     self.assertEqual(testing.mosaic_kernel_count(text), 1)
 
   def test_real_size(self):
@@ -192,6 +201,15 @@ class Fp8MatmulTest(testing.KernelTestCase):
       fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, config=object())
     with self.assertRaisesRegex(ValueError, "max_concurrent_steps must be an int >= 1"):
       Fp8Config(max_concurrent_steps=0)
+    with self.assertRaisesRegex(ValueError, "compute_wgs=3 must be 1 or 2"):
+      Fp8Config(compute_wgs=3)
+
+
+class Fp8MatmulWarpSpecializedTest(Fp8MatmulTest):
+  """The same cases on (128, 128) tiles: two compute warpgroups and a memory
+  warpgroup (`emit_fp8_matmul_warp_specialized`)."""
+
+  config = Fp8Config(compute_wgs=2)
 
 
 class Fp8LinearTest(testing.KernelTestCase):

@@ -44,7 +44,7 @@ from pipelines.cooperative_matmul_sm90 import (
   pipeline_buffer_names,
 )
 from pipelines.epilogue import BIAS_DTYPE, Epilogue, derivative_dtype, kept_derivative
-from pipelines.fp8_matmul_sm90 import emit_fp8_matmul
+from pipelines.fp8_matmul_sm90 import emit_fp8_matmul, emit_fp8_matmul_warp_specialized
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
@@ -547,9 +547,10 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
 
   Pads what the kernel needs: K to whole scale blocks (zeros, which add
   nothing whatever their scale), M and N to whole tiles (zeros, sliced off
-  the result), each RHS scale row to whole 16-byte TMA units; and stores the
-  LHS scales transposed. Aligned operands are not copied; the scales, 1/128
-  of the LHS's elements, always are.
+  the result; a tile is `config.cta_tile_m` rows), each RHS scale row to
+  whole 16-byte TMA units; and stores the LHS scales transposed. Aligned
+  operands are not copied; the scales, 1/128 of the LHS's elements, always
+  are.
 
   Returns:
     (M, N) array of `out_dtype`.
@@ -559,7 +560,7 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   if not (m and n and k):
     problem = operands.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
     return empty_result(problem, out_dtype, (lhs, rhs, lhs_scales, rhs_scales), bias, epilogue)
-  tile_m, tile_n, tile_k = Fp8Config.TILE_M, Fp8Config.TILE_N, Fp8Config.TILE_K
+  tile_m, tile_n, tile_k = config.cta_tile_m, Fp8Config.TILE_N, Fp8Config.TILE_K
   padded_m, padded_n = operands.round_up(m, tile_m), operands.round_up(n, tile_n)
   padded_k = operands.round_up(k, tile_k)
   k_steps = padded_k // tile_k
@@ -573,11 +574,16 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   args = (lhs, rhs, lhs_scales, rhs_scales)
   if bias is not None:
     args += (operands.zero_pad(bias, (padded_n,)),)
+  body = emit_fp8_matmul if config.compute_wgs == 1 else emit_fp8_matmul_warp_specialized
+  # The warp-specialized body runs its compute warpgroups and a memory warpgroup.
+  threads = (dict(num_threads=NUM_COMPUTE_WGS + 1, thread_name=WG_AXIS)
+             if config.compute_wgs > 1 else {})
   kernel = varying_kernel(plgpu.kernel(
-      functools.partial(emit_fp8_matmul, config=config, epilogue=epilogue),
+      functools.partial(body, config=config, epilogue=epilogue),
       out_type=jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),
       grid=(padded_m // tile_m, padded_n // tile_n),
       grid_names=(M_AXIS, N_AXIS),
+      **threads,
       compiler_params=compiler_params(),
       interpret=interpret_params(),
       kernel_name="fp8_block_scaled_matmul",

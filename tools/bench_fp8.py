@@ -11,7 +11,9 @@ turns for `--rounds` rounds in the same process:
   ours: fp8 block-scaled  `pipelines.fp8_matmul` on operands quantized in
                           (1, 128) and (128, 128) blocks beforehand (weights
                           are stored quantized; an activation's quantization
-                          is the `fp8_linear` rows' business)
+                          is the `fp8_linear` rows' business), on the
+                          one-warpgroup kernel and (", 2 warpgroups") on the
+                          warp-specialized one (`Fp8Config.compute_wgs`)
   ours: fp8 per-tensor    `fp8_matmul` with one scale per operand
   xla: fp8 per-tensor     XLA's FP8 GEMM (cuBLAS): the e4m3 operands converted
                           to bf16 and scaled, which XLA rewrites into one
@@ -38,7 +40,7 @@ from absl import flags
 
 from core import has_gpu, timing
 from core.numerics import relative_error
-from pipelines import dequantize_fp8, fp8_linear, fp8_matmul, matmul, quantize_fp8
+from pipelines import Fp8Config, dequantize_fp8, fp8_linear, fp8_matmul, matmul, quantize_fp8
 from pipelines.config import FP8_DTYPE
 from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK
 from tools import cli, model_shapes, report
@@ -93,6 +95,8 @@ def forward_implementations(x, w) -> tuple[dict, dict]:
       BASELINE: lambda o: jnp.dot(o["x"], o["w"]),
       "ours: bf16": lambda o: matmul(o["x"], o["w"]),
       "ours: fp8 block-scaled": lambda o: fp8_matmul(o["xq"], o["wq"], o["xs"], o["ws"]),
+      "ours: fp8 block-scaled, 2 warpgroups": lambda o: fp8_matmul(
+          o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config(compute_wgs=2)),
       "ours: fp8 per-tensor": lambda o: fp8_matmul(o["xt"], o["wt"], o["x_scale"],
                                                    o["w_scale"]),
       "xla: fp8 per-tensor": xla_per_tensor,
