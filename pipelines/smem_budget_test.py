@@ -9,10 +9,12 @@ from absl.testing import absltest, parameterized
 from core import device, testing
 from pipelines import (
     Epilogue,
+    Fp8Config,
     MatmulDimension,
     PipelinedConfig,
     Schedule,
     TuningConfig,
+    fp8_matmul,
     pallas_call_matmul,
     pipelined_matmul,
     ws_matmul,
@@ -89,6 +91,18 @@ class SmemModelTest(parameterized.TestCase):
     args = S((1024, k), jnp.float16), S((k, 1024), jnp.float16)
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
                      config.pallas_call_smem_budget(k, jnp.float16, out_dtype).total_bytes)
+
+  @parameterized.product(config=[Fp8Config(), Fp8Config(max_concurrent_steps=2),
+                                 Fp8Config(compute_wgs=2),
+                                 Fp8Config(compute_wgs=2, max_concurrent_steps=3)],
+                         has_bias=[False, True], k=[4096, 256])
+  def test_fp8(self, config, has_bias, k):
+    args = [S((1024, k), jnp.float8_e4m3fn), S((1024, k), jnp.float8_e4m3fn),
+            S((1024, k // 128), jnp.float32), S((8, k // 128), jnp.float32)]
+    args += [S((1024,), jnp.float32)] if has_bias else []
+    fn = functools.partial(fp8_matmul, out_dtype=jnp.bfloat16, config=config)
+    self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
+                     config.smem_budget(k // 128, jnp.bfloat16, has_bias=has_bias).total_bytes)
 
   def test_pallas_call_rejects_what_only_emit_pipeline_fits(self):
     # Depth 4 at 128x128 fits `pipelined_matmul` but not this path, which
