@@ -14,6 +14,7 @@ one block, whatever K is, and the scales never enter the 8-bit operands.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -67,25 +68,9 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
 
     def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
       (k,) = indices
+      return _add_scaled_block_product(running_sum, lhs_smem, rhs_smem, lhs_scales_smem.at[0],
+                                       rhs_scales_smem[k])
 
-      def block_product(acc_ref):
-        plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.T)
-        # Reading the accumulator waits for the wgmmas, so no wgmma reads
-        # this step's slots when the pipeline refills them after the step.
-        return acc_ref[...]
-
-      product = pl.run_scoped(block_product, accumulator((tile_m, tile_n)))
-      # 64 values, one per accumulator row: a plain load does (optimized
-      # vector loads are for the layouts of whole tiles).
-      row_scales = plgpu.load(lhs_scales_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1),
-                              optimized=False)
-      # The pipeline refills this step's slots by TMA once the step returns:
-      # order the register load of the scales before that write to them.
-      plgpu.commit_smem()
-      scales = row_scales * rhs_scales_smem[k]
-      return running_sum + product * lax.broadcast_in_dim(scales, product.shape, (0,))
-
-    zeros = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
     total = plgpu.emit_pipeline(
         step,
         grid=(k_steps,),
@@ -95,12 +80,9 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
             plgpu.BlockSpec((1, tile_m), lambda k: (k, 0)),
         ],
         max_concurrent_steps=config.pipeline.steps_for(k_steps),
-        init_carry=zeros,
+        init_carry=_zeros((tile_m, tile_n)),
     )(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
-    if bias_smem is not None:
-      bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-      total = total + lax.broadcast_in_dim(bias, total.shape, (1,))
-    store_tile(epilogue.apply(total), out_gmem.at[m_slice, n_slice])
+    store_tile(_finish(total, bias_smem, epilogue), out_gmem.at[m_slice, n_slice])
 
   bias_scratch = [plgpu.SMEM((tile_n,), jnp.float32)] if epilogue.has_bias else []
   pl.run_scoped(with_tile_constants,
@@ -134,22 +116,11 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
     bias_smem, constants_loaded = rest if epilogue.has_bias else (None, *rest)
 
     def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
+      # The memory warpgroup refills the step's slots once both compute
+      # warpgroups have released them, after this returns.
       (k,) = indices
-
-      def block_product(acc_ref):
-        plgpu.wgmma(acc_ref, lhs_smem.at[wg_rows], rhs_smem.T)
-        # Reading the accumulator waits for the wgmmas, so no wgmma reads
-        # this step's slots when this warpgroup releases them.
-        return acc_ref[...]
-
-      product = pl.run_scoped(block_product, accumulator((wg_m, tile_n)))
-      row_scales = plgpu.load(lhs_scales_smem.at[0, wg_rows],
-                              layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-      # The memory warpgroup refills this slot by TMA once both compute
-      # warpgroups release it: order this register load before that write.
-      plgpu.commit_smem()
-      scales = row_scales * rhs_scales_smem[k]
-      return running_sum + product * lax.broadcast_in_dim(scales, product.shape, (0,))
+      return _add_scaled_block_product(running_sum, lhs_smem.at[wg_rows], rhs_smem,
+                                       lhs_scales_smem.at[0, wg_rows], rhs_scales_smem[k])
 
     def compute_context(run_pipeline):
       # The tile's RHS scales and bias, loaded once by the first compute
@@ -161,13 +132,9 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
           plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem, constants_loaded)
 
       plgpu.barrier_wait(constants_loaded)
-      zeros = plgpu.layout_cast(jnp.zeros((wg_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
-      total = run_pipeline(zeros)
-      if bias_smem is not None:
-        bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-        total = total + lax.broadcast_in_dim(bias, total.shape, (1,))
+      total = run_pipeline(_zeros((wg_m, tile_n)))
       # Each warpgroup stages its rows in its own SMEM tile.
-      out_smem[wg] = epilogue.apply(total).astype(out_smem.dtype)
+      out_smem[wg] = _finish(total, bias_smem, epilogue).astype(out_smem.dtype)
       plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
       plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[m_slice, n_slice].at[wg_rows])
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -193,3 +160,46 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
                 smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
                 plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32), *bias_scratch,
                 barrier(num_arrivals=1 + len(bias_scratch)), collective_axes=WG_AXIS)
+
+
+def _zeros(shape: tuple[int, int]) -> jax.Array:
+  """A float32 running sum of zeros in the accumulator's register layout."""
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_smem,
+                              rhs_scale) -> jax.Array:
+  """`running_sum` + (lhs_operand @ rhs_smem.T) * row_scales * rhs_scale: one
+  K step's product, on the tensor cores into a fresh accumulator, scaled and
+  added in float32 registers.
+
+  Args:
+    running_sum: (rows, TILE_N) float32, WGMMA layout.
+    lhs_operand: (rows, TILE_K) e4m3 SMEM tile of the step.
+    rhs_smem: (TILE_N, TILE_K) e4m3 SMEM tile of the step (K-major).
+    row_scales_smem: (rows,) float32 SMEM, the LHS rows' scales of the step.
+    rhs_scale: the RHS block's scale of the step (a float32 scalar).
+  """
+  def block_product(acc_ref):
+    plgpu.wgmma(acc_ref, lhs_operand, rhs_smem.T)
+    # Reading the accumulator waits for the wgmmas, so none still reads the
+    # step's slots when the pipeline refills them after the step.
+    return acc_ref[...]
+
+  product = pl.run_scoped(block_product, accumulator(running_sum.shape))
+  # One value per accumulator row: a plain load does (the optimized vector
+  # loads are for the layouts of whole tiles).
+  row_scales = plgpu.load(row_scales_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+  # The pipeline refills the step's slots by TMA after the step: order this
+  # register load of the scales before that write to them.
+  plgpu.commit_smem()
+  scales = lax.broadcast_in_dim(row_scales * rhs_scale, product.shape, (0,))
+  return running_sum + product * scales
+
+
+def _finish(total, bias_smem, epilogue: Epilogue) -> jax.Array:
+  """The float32 sum with the tile's bias (if any) and the activation applied."""
+  if bias_smem is not None:
+    bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+    total = total + lax.broadcast_in_dim(bias, total.shape, (1,))
+  return epilogue.apply(total)
