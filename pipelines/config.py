@@ -151,15 +151,18 @@ class Fp8Config:
                         copies=steps),
              SmemBuffer(name="lhs_scales_smem", shape=(1, cta_m), dtype=jnp.float32,
                         copies=steps))
-    out_smem = SmemBuffer(name="out_smem", shape=(cta_m, self.TILE_N), dtype=out_dtype)
+    out_smem = [SmemBuffer(name="out_smem", shape=(cta_m, self.TILE_N), dtype=out_dtype)]
+    if jnp.dtype(out_dtype) == FP8_DTYPE:  # And its scales, one per row.
+      out_smem.append(SmemBuffer(name="out_scales_smem", shape=(self.compute_wgs, 1, self.TILE_M),
+                                 dtype=jnp.float32))
     if self.compute_wgs == 1:
-      # The K loop, then the epilogue's staging tile in a scope of its own;
-      # one TMA-completion barrier per slot, one for the tile's constants.
-      return SmemBudget(phases=((*slots, *tile_constants), (*tile_constants, out_smem)),
+      # The K loop, then the epilogue's staging tiles in a scope of their
+      # own; one TMA-completion barrier per slot, one for the tile's constants.
+      return SmemBudget(phases=((*slots, *tile_constants), (*tile_constants, *out_smem)),
                         num_barriers=steps + 1)
-    # Every warpgroup's staging tile is allocated beside the pipeline; each
+    # Every warpgroup's staging tiles are allocated beside the pipeline; each
     # slot has a loaded and a consumed barrier.
-    return SmemBudget(phases=((*slots, *tile_constants, out_smem),), num_barriers=2 * steps + 1)
+    return SmemBudget(phases=((*slots, *tile_constants, *out_smem),), num_barriers=2 * steps + 1)
 
   @staticmethod
   def scale_row_length(k_steps: int) -> int:

@@ -55,7 +55,9 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
     rhs_scales: (ceil(N / 128), ceil(K / 128)) float32, or ().
     bias: (N,) of any float dtype, added in float32, or None.
     activation: "none", "relu", "gelu" (tanh approximation) or "silu".
-    out_dtype: bfloat16 (default), float16 or float32.
+    out_dtype: bfloat16 (default), float16 or float32; or float8_e4m3fn
+      for the output quantized in (1, 128) blocks in the kernel's epilogue,
+      ready to be the LHS of the next `fp8_matmul` with no pass of its own.
     config: the pipeline depth; `Fp8Config()` by default.
 
   Each 128-long block of K is multiplied on the tensor cores and added,
@@ -66,7 +68,9 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
   takes quantized operands; `fp8_linear` is the differentiable layer.
 
   Returns:
-    (M, N) array of `out_dtype`.
+    (M, N) array of `out_dtype`; for float8_e4m3fn, (values (M, N),
+    scales (M, ceil(N / 128)) float32), as `quantize_fp8(out, (1, 128))`
+    would give them from the float32 result.
   """
   _check_fp8_operand("lhs", lhs)
   _check_fp8_operand("rhs", rhs)
@@ -77,7 +81,8 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
   rhs_scales_shape = scales_shape((n, k), SQUARE_BLOCK)
   _check_scales("lhs_scales", lhs_scales, lhs_scales_shape, "one per row and 128 of K")
   _check_scales("rhs_scales", rhs_scales, rhs_scales_shape, "one per 128 of N and 128 of K")
-  out_dtype = operands.check_out_dtype(out_dtype, jnp.bfloat16)
+  if jnp.dtype(out_dtype) != FP8_DTYPE:
+    out_dtype = operands.check_out_dtype(out_dtype, jnp.bfloat16)
   epilogue = Epilogue(activation=activation, has_bias=bias is not None)
   if bias is not None:
     if bias.shape != (n,):

@@ -20,9 +20,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import accumulator, barrier, smem, store_tile, tile_transforms
+from core import accumulator, barrier, smem, tile_transforms
 from pipelines.config import NUM_COMPUTE_WGS, Fp8Config
 from pipelines.epilogue import Epilogue
+from pipelines.fp8_quantize import block_scales
 from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS
 from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS
 
@@ -44,11 +45,13 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
     rhs_scales_gmem: (N // TILE_N, L) float32: each column block's scales per
       K step, padded to L = `Fp8Config.scale_row_length(K // TILE_K)`.
     rest: the (N,) float32 bias GMEM ref if `epilogue.has_bias`, then the
-      (M, N) output; M and N multiples of the tile.
+      (M, N) output; M and N multiples of the tile. An e4m3 output is
+      quantized in (1, TILE_N) blocks, and its scales follow it, stored
+      transposed: (N // TILE_N, M) float32.
     config: the pipeline depth.
     epilogue: bias and activation, applied to the float32 sum.
   """
-  bias_gmem, out_gmem = rest if epilogue.has_bias else (None, *rest)
+  bias_gmem, out_gmem, out_scales_gmem = _outputs(rest, epilogue)
   tile_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
   k_steps = lhs_gmem.shape[1] // tile_k
   m_index, n_index = lax.axis_index(M_AXIS), lax.axis_index(N_AXIS)
@@ -82,7 +85,14 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
         max_concurrent_steps=config.pipeline.steps_for(k_steps),
         init_carry=_zeros((tile_m, tile_n)),
     )(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
-    store_tile(_finish(total, bias_smem, epilogue), out_gmem.at[m_slice, n_slice])
+    out = _finish(total, bias_smem, epilogue)
+
+    def store(out_smem, *out_scales_smem):
+      _store_output(out, out_smem, out_gmem.at[m_slice, n_slice], *out_scales_smem,
+                    *_scales_row(out_scales_gmem, n_index, m_slice))
+
+    pl.run_scoped(store, smem((tile_m, tile_n), out_gmem.dtype, swizzled=True),
+                  *_scales_scratch(out_scales_gmem, (1, tile_m)))
 
   bias_scratch = [plgpu.SMEM((tile_n,), jnp.float32)] if epilogue.has_bias else []
   pl.run_scoped(with_tile_constants,
@@ -101,7 +111,7 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
   and `NUM_COMPUTE_WGS` + 1 warpgroups on `WG_AXIS`; the arguments are
   `emit_fp8_matmul`'s, with M a multiple of 128.
   """
-  bias_gmem, out_gmem = rest if epilogue.has_bias else (None, *rest)
+  bias_gmem, out_gmem, out_scales_gmem = _outputs(rest, epilogue)
   wg_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
   cta_m = NUM_COMPUTE_WGS * wg_m
   k_steps = lhs_gmem.shape[1] // tile_k
@@ -113,6 +123,7 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
   operand_transforms = tile_transforms(tile_k, lhs_gmem.dtype)
 
   def scoped(out_smem, rhs_scales_smem, *rest):
+    out_scales_smem, rest = (rest[0], rest[1:]) if out_scales_gmem is not None else (None, rest)
     bias_smem, constants_loaded = rest if epilogue.has_bias else (None, *rest)
 
     def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
@@ -133,11 +144,12 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
 
       plgpu.barrier_wait(constants_loaded)
       total = run_pipeline(_zeros((wg_m, tile_n)))
-      # Each warpgroup stages its rows in its own SMEM tile.
-      out_smem[wg] = _finish(total, bias_smem, epilogue).astype(out_smem.dtype)
-      plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
-      plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[m_slice, n_slice].at[wg_rows])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      # Each warpgroup stages its rows in its own SMEM tiles.
+      scales_row = _scales_row(out_scales_gmem, n_index, m_slice)
+      _store_output(_finish(total, bias_smem, epilogue), out_smem.at[wg],
+                    out_gmem.at[m_slice, n_slice].at[wg_rows],
+                    *(() if out_scales_smem is None else (out_scales_smem.at[wg],)),
+                    *(scales_row[0].at[:, wg_rows],) if scales_row else ())
 
     plgpu.emit_pipeline_warp_specialized(
         step,
@@ -158,7 +170,8 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
   # Allocated once for all warpgroups of the block.
   pl.run_scoped(scoped,
                 smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
-                plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32), *bias_scratch,
+                plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32),
+                *_scales_scratch(out_scales_gmem, (NUM_COMPUTE_WGS, 1, wg_m)), *bias_scratch,
                 barrier(num_arrivals=1 + len(bias_scratch)), collective_axes=WG_AXIS)
 
 
@@ -203,3 +216,43 @@ def _finish(total, bias_smem, epilogue: Epilogue) -> jax.Array:
     bias = plgpu.load(bias_smem, layout=plgpu.Layout.WGMMA.reduce(0))
     total = total + lax.broadcast_in_dim(bias, total.shape, (1,))
   return epilogue.apply(total)
+
+
+def _outputs(rest, epilogue: Epilogue):
+  """(bias GMEM ref or None, output, output scales or None) from the refs after
+  the four operands: the bias if `epilogue.has_bias`, the output, and the
+  output's scales where the output is e4m3."""
+  bias_gmem, rest = (rest[0], rest[1:]) if epilogue.has_bias else (None, rest)
+  out_gmem, *out_scales = rest
+  return bias_gmem, out_gmem, (out_scales[0] if out_scales else None)
+
+
+def _scales_scratch(out_scales_gmem, shape: tuple[int, ...]) -> list:
+  """The SMEM of a quantized output's scales (none for a plain output)."""
+  return [] if out_scales_gmem is None else [plgpu.SMEM(shape, jnp.float32)]
+
+
+def _scales_row(out_scales_gmem, n_index, m_slice) -> tuple:
+  """The (1, rows) GMEM ref of the tile's output scales, as a 1-tuple (empty
+  for a plain output)."""
+  if out_scales_gmem is None:
+    return ()
+  return (out_scales_gmem.at[pl.ds(n_index, 1), m_slice],)
+
+
+def _store_output(value, out_smem, out_gmem, scales_smem=None, scales_gmem=None) -> None:
+  """Stores a warpgroup's (rows, TILE_N) float32 result through `out_smem`
+  with TMA: cast to the output's dtype or, given `scales_smem`, quantized to
+  e4m3 with one scale per row (its largest magnitude over e4m3's largest
+  value, as `quantize_fp8` has it), the scales stored to `scales_gmem` (1,
+  rows). Waits until the copies have read SMEM."""
+  if scales_smem is not None:
+    scales = block_scales(jnp.max(jnp.abs(value), axis=1))
+    value = value / lax.broadcast_in_dim(scales, value.shape, (0,))
+    scales_smem[0, :] = scales
+  out_smem[...] = value.astype(out_smem.dtype)
+  plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
+  plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+  if scales_smem is not None:
+    plgpu.copy_smem_to_gmem(scales_smem, scales_gmem)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -32,6 +32,12 @@ def scales_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, i
   return tuple(-(-size // b) for size, b in zip(shape, block, strict=True))
 
 
+def block_scales(amax: jax.Array) -> jax.Array:
+  """The scales of blocks whose largest magnitudes are `amax` (float32): the
+  largest maps to e4m3's largest value; a block of zeros gets 1."""
+  return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+
+
 def _check_block(block) -> tuple[int, int]:
   block = tuple(block)
   if block not in BLOCKS:
@@ -74,8 +80,7 @@ def _quantize(x: jax.Array, block: tuple[int, int]) -> tuple[jax.Array, jax.Arra
   padded = zero_pad(x.astype(jnp.float32), tuple(b * size for b, size in
                                                  zip(blocks, block, strict=True)))
   tiles = padded.reshape(blocks[0], block[0], blocks[1], block[1])
-  amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
-  scales = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  scales = block_scales(jnp.max(jnp.abs(tiles), axis=(1, 3)))
   values = (tiles / scales[:, None, :, None]).astype(FP8_DTYPE)
   return values.reshape(padded.shape)[:rows, :cols], scales
 

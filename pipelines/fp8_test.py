@@ -142,6 +142,35 @@ class Fp8MatmulTest(testing.KernelTestCase):
     self.check(128, 256, 128, seed=9, out_dtype=jnp.float32,
                epilogue=Epilogue(activation=activation, has_bias=has_bias))
 
+  @parameterized.parameters((128, 256, 256), (100, 200, 136))
+  def test_output_quantized_in_the_epilogue(self, m, k, n):
+    """out_dtype=float8_e4m3fn: the output in (1, 128) blocks, its scales
+    those `quantize_fp8` gives the float32 result (up to float32 summation),
+    each element within e4m3's rounding of the reference; and it feeds the
+    next `fp8_matmul` as its LHS."""
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(25, m, k, n)
+    bias = testing.random_array(26, (n,), jnp.float32)
+    values, scales = self.run_kernel(fp8_matmul, lhs, rhs, lhs_scales, rhs_scales, bias,
+                                     activation="gelu", out_dtype=jnp.float8_e4m3fn,
+                                     config=self.config)
+    ref = fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias,
+                               epilogue=Epilogue(activation="gelu", has_bias=True))
+    self.assertEqual((values.shape, values.dtype), ((m, n), jnp.dtype(jnp.float8_e4m3fn)))
+    self.assertEqual((scales.shape, scales.dtype),
+                     (scales_shape((m, n), ROW_BLOCK), jnp.dtype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(scales), np.asarray(quantize_fp8(ref, ROW_BLOCK)[1]),
+                               rtol=1e-4)
+    ref = np.asarray(ref)
+    scale_of_each = np.asarray(dequantize_fp8(jnp.ones((m, n), jnp.float8_e4m3fn), scales))
+    bound = ((E4M3_RELATIVE_ROUNDING + 1e-4) * np.abs(ref)
+             + E4M3_SUBNORMAL_ROUNDING * scale_of_each)
+    error = np.abs(np.asarray(dequantize_fp8(values, scales)) - ref)
+    self.assertTrue(np.all(error <= bound), f"worst excess {np.nanmax(error - bound):.3g}")
+    _, _, next_rhs, next_rhs_scales = quantized_operands(27, m, n, 64)
+    out = self.run_kernel(fp8_matmul, values, next_rhs, scales, next_rhs_scales,
+                          config=self.config)
+    self.assertEqual(out.shape, (m, 64))
+
   def test_one_scale_per_tensor(self):
     self.check(64, 256, 256, seed=11, per_tensor=True)
 
@@ -177,11 +206,16 @@ class Fp8MatmulTest(testing.KernelTestCase):
     lhs = jnp.zeros((m, k), jnp.float8_e4m3fn)
     rhs = jnp.zeros((n, k), jnp.float8_e4m3fn)
     bias = testing.random_array(19, (n,), jnp.float32)
+    want = np.broadcast_to(np.maximum(np.asarray(bias), 0), (m, n))
     with base.no_kernel_built():
       out = fp8_matmul(lhs, rhs, jnp.float32(1.0), jnp.float32(1.0), bias, activation="relu",
                        out_dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(out),
-                                  np.broadcast_to(np.maximum(np.asarray(bias), 0), (m, n)))
+      values, scales = fp8_matmul(lhs, rhs, jnp.float32(1.0), jnp.float32(1.0), bias,
+                                  activation="relu", out_dtype=jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    self.assertEqual(scales.shape, scales_shape((m, n), ROW_BLOCK))
+    np.testing.assert_allclose(np.asarray(dequantize_fp8(values, scales)), want,
+                               rtol=E4M3_RELATIVE_ROUNDING)
 
   def test_errors(self):
     lhs, lhs_scales, rhs, rhs_scales = quantized_operands(21, 64, 256, 128)

@@ -29,6 +29,7 @@ from core.memory import SWIZZLE_BYTES, swizzle_bytes
 from core.varying import vary_over, varying_axes, varying_kernel
 from pipelines import operands
 from pipelines.config import (
+  FP8_DTYPE,
   NUM_COMPUTE_WGS,
   Fp8Config,
   MatmulDimension,
@@ -45,6 +46,7 @@ from pipelines.cooperative_matmul_sm90 import (
 )
 from pipelines.epilogue import BIAS_DTYPE, Epilogue, derivative_dtype, kept_derivative
 from pipelines.fp8_matmul_sm90 import emit_fp8_matmul, emit_fp8_matmul_warp_specialized
+from pipelines.fp8_quantize import ROW_BLOCK, quantize_fp8
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
@@ -553,13 +555,16 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   are.
 
   Returns:
-    (M, N) array of `out_dtype`.
+    (M, N) array of `out_dtype`; for float8_e4m3fn, (values (M, N), scales
+    (M, ceil(N / 128)) float32): the output quantized in (1, 128) blocks.
   """
   m, k = lhs.shape
   n = rhs.shape[0]
+  quantized = jnp.dtype(out_dtype) == FP8_DTYPE
   if not (m and n and k):
     problem = operands.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
-    return empty_result(problem, out_dtype, (lhs, rhs, lhs_scales, rhs_scales), bias, epilogue)
+    out = empty_result(problem, jnp.float32, (lhs, rhs, lhs_scales, rhs_scales), bias, epilogue)
+    return quantize_fp8(out, ROW_BLOCK) if quantized else out.astype(out_dtype)
   tile_m, tile_n, tile_k = config.cta_tile_m, Fp8Config.TILE_N, Fp8Config.TILE_K
   padded_m, padded_n = operands.round_up(m, tile_m), operands.round_up(n, tile_n)
   padded_k = operands.round_up(k, tile_k)
@@ -578,15 +583,23 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   # The warp-specialized body runs its compute warpgroups and a memory warpgroup.
   threads = (dict(num_threads=NUM_COMPUTE_WGS + 1, thread_name=WG_AXIS)
              if config.compute_wgs > 1 else {})
+  out_type = jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype)
+  if quantized:  # And the output's scales, one per row and TILE_N columns, transposed.
+    out_type = (out_type, jax.ShapeDtypeStruct((padded_n // tile_n, padded_m), jnp.float32))
   kernel = varying_kernel(plgpu.kernel(
       functools.partial(body, config=config, epilogue=epilogue),
-      out_type=jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),
+      out_type=out_type,
       grid=(padded_m // tile_m, padded_n // tile_n),
       grid_names=(M_AXIS, N_AXIS),
       **threads,
-      compiler_params=compiler_params(),
+      # A quantized output's row maxima reduce within warps (each row of a
+      # wgmma accumulator lives in one warp): no cross-warp scratch in SMEM.
+      compiler_params=compiler_params(reduction_scratch_bytes=0),
       interpret=interpret_params(),
       kernel_name="fp8_block_scaled_matmul",
   ))
   out = kernel(*args)
+  if quantized:
+    values, scales = out
+    return values[:m, :n], scales.T[:m]
   return out if out.shape == (m, n) else out[:m, :n]

@@ -95,14 +95,15 @@ class SmemModelTest(parameterized.TestCase):
   @parameterized.product(config=[Fp8Config(), Fp8Config(max_concurrent_steps=2),
                                  Fp8Config(compute_wgs=2),
                                  Fp8Config(compute_wgs=2, max_concurrent_steps=3)],
-                         has_bias=[False, True], k=[4096, 256])
-  def test_fp8(self, config, has_bias, k):
+                         has_bias=[False, True], k=[4096, 256],
+                         out_dtype=[jnp.bfloat16, jnp.float8_e4m3fn])
+  def test_fp8(self, config, has_bias, k, out_dtype):
     args = [S((1024, k), jnp.float8_e4m3fn), S((1024, k), jnp.float8_e4m3fn),
             S((1024, k // 128), jnp.float32), S((8, k // 128), jnp.float32)]
     args += [S((1024,), jnp.float32)] if has_bias else []
-    fn = functools.partial(fp8_matmul, out_dtype=jnp.bfloat16, config=config)
+    fn = functools.partial(fp8_matmul, out_dtype=out_dtype, config=config)
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
-                     config.smem_budget(k // 128, jnp.bfloat16, has_bias=has_bias).total_bytes)
+                     config.smem_budget(k // 128, out_dtype, has_bias=has_bias).total_bytes)
 
   def test_pallas_call_rejects_what_only_emit_pipeline_fits(self):
     # Depth 4 at 128x128 fits `pipelined_matmul` but not this path, which
