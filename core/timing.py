@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from core.numerics import relative_error
+
 DEFAULT_ITERATIONS = 50
 
 
@@ -127,3 +129,35 @@ def compare_rounds(timings: Sequence[Timing], baseline: Sequence[Timing]) -> dic
   return dict(median_us=median_us, tflops=_tflops(timings[0].flops, median_us),
               ratio=statistics.median(ratios), ratio_min=min(ratios),
               ratio_max=max(ratios), round_median_us=medians)
+
+
+def time_in_rounds(impls: dict[str, Callable], args: Sequence, *, flops: int, baseline: str,
+                   reference, iterations: int, rounds: int) -> dict[str, dict]:
+  """Times `impls` taking turns for `rounds` rounds (`time_gpu`), each against `baseline`.
+
+  Returns one record per implementation: `kernel` (its name), `compile_s`, `rel_error`
+  (the largest over its outputs' leaves against `reference`'s) and `compare_rounds`'s
+  summary with the ratio under `ratio_to_dot`; or `kernel` and `error` for one that
+  raised, which is not timed again and does not stop the others.
+  """
+  timings = {name: [] for name in impls}
+  records = {}
+  for _ in range(rounds):
+    for name, fn in impls.items():
+      if "error" in records.get(name, {}):
+        continue
+      try:
+        t, out = time_gpu(name, fn, args, flops=flops, iterations=iterations)
+      except Exception as e:  # noqa: BLE001 - a failing implementation is reported.
+        records[name] = dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300])
+        continue
+      timings[name].append(t)
+      if name not in records:
+        error = max(relative_error(o, r) for o, r in zip(jax.tree.leaves(out),
+                                                         jax.tree.leaves(reference), strict=True))
+        records[name] = dict(kernel=name, compile_s=t.compile_s, rel_error=error)
+  for name, record in records.items():
+    if "error" not in record and timings[baseline]:
+      summary = compare_rounds(timings[name], timings[baseline])
+      record.update(summary, ratio_to_dot=summary.pop("ratio"))
+  return records

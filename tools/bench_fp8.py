@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from absl import flags
 
 from core import has_gpu, timing
-from core.numerics import relative_error
 from pipelines import Fp8Config, dequantize_fp8, fp8_linear, fp8_matmul, matmul, quantize_fp8
 from pipelines.config import FP8_DTYPE
 from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK
@@ -117,31 +116,6 @@ def train_implementations(cotangent) -> dict:
           "train: ours fp8_linear": step(fp8_linear)}
 
 
-def time_in_rounds(impls: dict, args, *, flops: int, baseline: str, reference,
-                   iterations: int, rounds: int) -> list[dict]:
-  """Times `impls` taking turns for `rounds` rounds; one record each, against `baseline`."""
-  timings = {name: [] for name in impls}
-  records = {}
-  for _ in range(rounds):
-    for name, fn in impls.items():
-      if "error" in records.get(name, {}):
-        continue
-      try:
-        t, out = timing.time_gpu(name, jax.jit(fn), args, flops=flops, iterations=iterations)
-      except Exception as e:  # noqa: BLE001 - a failing implementation is reported.
-        records[name] = dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300])
-        continue
-      timings[name].append(t)
-      records.setdefault(name, dict(kernel=name, compile_s=t.compile_s, rel_error=max(
-          relative_error(o, r) for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(reference),
-                                               strict=True))))
-  for name, record in records.items():
-    if "error" not in record and timings[baseline]:
-      summary = timing.compare_rounds(timings[name], timings[baseline])
-      record.update(summary, ratio_to_dot=summary.pop("ratio"))
-  return list(records.values())
-
-
 def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
                   rounds: int) -> list[dict]:
   x, w = cli.random_operands(m, k, n, jnp.bfloat16)
@@ -149,17 +123,18 @@ def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
   impls, operands = forward_implementations(x, w)
   exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
                   precision=jax.lax.Precision.HIGHEST)
-  records = [dict(r, dtype="float8_e4m3fn", **shape) for r in time_in_rounds(
+  records = [dict(r, dtype="float8_e4m3fn", **shape) for r in timing.time_in_rounds(
       impls, (operands,), flops=2 * m * k * n, baseline=BASELINE, reference=exact,
-      iterations=iterations, rounds=rounds)]
+      iterations=iterations, rounds=rounds).values()]
   if train:
     cotangent = jax.random.normal(jax.random.key(2), (m, n), jnp.float32).astype(jnp.bfloat16)
     exact_grads = jax.vjp(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST),
                           x.astype(jnp.float32), w.astype(jnp.float32))
     reference = (exact_grads[0], *exact_grads[1](cotangent.astype(jnp.float32)))
-    records += [dict(r, dtype="float8_e4m3fn", **shape) for r in time_in_rounds(
+    records += [dict(r, dtype="float8_e4m3fn", **shape) for r in timing.time_in_rounds(
         train_implementations(cotangent), (x, w), flops=3 * 2 * m * k * n,
-        baseline=TRAIN_BASELINE, reference=reference, iterations=iterations, rounds=rounds)]
+        baseline=TRAIN_BASELINE, reference=reference, iterations=iterations,
+        rounds=rounds).values()]
   return records
 
 

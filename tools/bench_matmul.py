@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from core import device_facts, has_gpu, timing
-from core.numerics import RELATIVE_TOLERANCE, relative_error
+from core.numerics import RELATIVE_TOLERANCE
 from pipelines import (
   Epilogue,
   PipelinedConfig,
@@ -155,29 +155,15 @@ def _xla_dot(layout: OperandLayout):
 
 
 def _time_in_rounds(impls: dict, args, *, flops: int, baseline: str, reference) -> dict:
-  """Times `impls` taking turns for --rounds rounds; records against `baseline`."""
-  timings = {name: [] for name in impls}
-  records = {}
-  for _ in range(_ROUNDS.value):
-    for name, fn in impls.items():
-      if name in records and "error" in records[name]:
-        continue
-      try:
-        t, out = timing.time_gpu(name, fn, args, flops=flops, iterations=_ITERATIONS.value)
-      except Exception as e:  # Report a kernel that fails; keep benchmarking the others.
-        records[name] = dict(kernel=name, error=f"{type(e).__name__}: {e}"[:300])
-        continue
-      timings[name].append(t)
-      if name not in records:
-        errors = [relative_error(o, r) for o, r in zip(jax.tree.leaves(out),
-                                                       jax.tree.leaves(reference), strict=True)]
-        err = max(errors)
-        records[name] = dict(kernel=name, compile_s=t.compile_s, rel_error=err,
-                             correct=err <= RELATIVE_TOLERANCE[jnp.dtype(args[0].dtype)])
+  """Times `impls` taking turns for --rounds rounds (`timing.time_in_rounds`); each
+  record says whether its error is within its operands' tolerance."""
+  records = timing.time_in_rounds(impls, args, flops=flops, baseline=baseline,
+                                  reference=reference, iterations=_ITERATIONS.value,
+                                  rounds=_ROUNDS.value)
+  tolerance = RELATIVE_TOLERANCE[jnp.dtype(args[0].dtype)]
   for name, record in records.items():
     if "error" not in record:
-      summary = timing.compare_rounds(timings[name], timings[baseline])
-      record.update(summary, ratio_to_dot=summary.pop("ratio"))
+      record["correct"] = record["rel_error"] <= tolerance
       if _SUSTAIN_S.value:
         record.update(gpu_sampling.sustained_run(impls[name], args, flops=flops,
                                                  seconds=_SUSTAIN_S.value))
