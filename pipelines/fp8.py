@@ -40,6 +40,14 @@ def _check_scales(name: str, scales, expected: tuple[int, int], what: str) -> No
                      f"tensor), got {name}.shape={scales.shape}")
 
 
+def _checked_config(config: Fp8Config | None) -> Fp8Config:
+  """`config`, or `Fp8Config()` for None; raises unless it is an `Fp8Config`."""
+  config = Fp8Config() if config is None else config
+  if not isinstance(config, Fp8Config):
+    raise ValueError(f"config must be an Fp8Config, got {type(config).__name__}")
+  return config
+
+
 def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales: jax.Array,
                bias: jax.Array | None = None, *, activation: str = "none",
                out_dtype=jnp.bfloat16, config: Fp8Config | None = None) -> jax.Array:
@@ -88,9 +96,7 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
     if bias.shape != (n,):
       raise ValueError(f"bias must have shape (N,)=({n},), got {bias.shape=}")
     bias = bias.astype(BIAS_DTYPE)
-  config = Fp8Config() if config is None else config
-  if not isinstance(config, Fp8Config):
-    raise ValueError(f"config must be an Fp8Config, got {type(config).__name__}")
+  config = _checked_config(config)
   lhs_scales = jnp.broadcast_to(lhs_scales, lhs_scales_shape)
   rhs_scales = jnp.broadcast_to(rhs_scales, rhs_scales_shape)
   return kernel_call.fp8_block_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, bias,
@@ -128,12 +134,8 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
   if w.ndim != 2:
     raise ValueError(f"w must be 2-D (K, N), got {w.shape=}")
   rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-  operands.check_operands(rows, w)
-  if bias is not None and bias.shape != (w.shape[1],):
-    raise ValueError(f"bias must have shape (N,)=({w.shape[1]},), got {bias.shape=}")
-  config = Fp8Config() if config is None else config
-  if not isinstance(config, Fp8Config):
-    raise ValueError(f"config must be an Fp8Config, got {type(config).__name__}")
+  operands.check_operands(rows, w)  # The bias is `fp8_matmul`'s to check.
+  config = _checked_config(config)
   out = _make_fp8_linear(config, bias is not None)(rows, w, *(() if bias is None else (bias,)))
   return out.reshape(*x.shape[:-1], w.shape[1])
 

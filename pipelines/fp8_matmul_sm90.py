@@ -57,16 +57,10 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
   m_index, n_index = lax.axis_index(M_AXIS), lax.axis_index(N_AXIS)
   m_slice = pl.ds(m_index * tile_m, tile_m)
   n_slice = pl.ds(n_index * tile_n, tile_n)
-  operand_transforms = tile_transforms(tile_k, lhs_gmem.dtype)
 
-  def with_tile_constants(rhs_scales_smem, *rest):
-    # The tile's column block of RHS scales (one per K step) and its bias:
-    # loaded once, read by every step and the epilogue. Each copy arrives on
-    # the barrier once.
-    bias_smem, constants_loaded = rest if epilogue.has_bias else (None, *rest)
-    plgpu.copy_gmem_to_smem(rhs_scales_gmem.at[n_index], rhs_scales_smem, constants_loaded)
-    if bias_smem is not None:
-      plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem, constants_loaded)
+  def with_tile_constants(rhs_scales_smem, constants_loaded, bias_smem=None):
+    _load_tile_constants(rhs_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
+                         constants_loaded)
     plgpu.barrier_wait(constants_loaded)
 
     def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
@@ -77,27 +71,20 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
     total = plgpu.emit_pipeline(
         step,
         grid=(k_steps,),
-        in_specs=[
-            plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=operand_transforms),
-            plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=operand_transforms),
-            plgpu.BlockSpec((1, tile_m), lambda k: (k, 0)),
-        ],
+        in_specs=_operand_specs(tile_m, config, lhs_gmem.dtype),
         max_concurrent_steps=config.pipeline.steps_for(k_steps),
         init_carry=_zeros((tile_m, tile_n)),
     )(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
     out = _finish(total, bias_smem, epilogue)
 
-    def store(out_smem, *out_scales_smem):
-      _store_output(out, out_smem, out_gmem.at[m_slice, n_slice], *out_scales_smem,
-                    *_scales_row(out_scales_gmem, n_index, m_slice))
+    def store(out_smem, out_scales_smem=None):
+      _store_output(out, out_smem, out_gmem.at[m_slice, n_slice], out_scales_smem,
+                    _scales_row(out_scales_gmem, n_index, m_slice))
 
     pl.run_scoped(store, smem((tile_m, tile_n), out_gmem.dtype, swizzled=True),
-                  *_scales_scratch(out_scales_gmem, (1, tile_m)))
+                  **_scales_scratch(out_scales_gmem, (1, tile_m)))
 
-  bias_scratch = [plgpu.SMEM((tile_n,), jnp.float32)] if epilogue.has_bias else []
-  pl.run_scoped(with_tile_constants,
-                plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32), *bias_scratch,
-                barrier(num_arrivals=1 + len(bias_scratch)))
+  pl.run_scoped(with_tile_constants, **_tile_constants_scratch(rhs_scales_gmem, epilogue))
 
 
 def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem,
@@ -120,12 +107,8 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
   m_slice = pl.ds(m_index * cta_m, cta_m)
   n_slice = pl.ds(n_index * tile_n, tile_n)
   wg_rows = pl.ds(wg * wg_m, wg_m)
-  operand_transforms = tile_transforms(tile_k, lhs_gmem.dtype)
 
-  def scoped(out_smem, rhs_scales_smem, *rest):
-    out_scales_smem, rest = (rest[0], rest[1:]) if out_scales_gmem is not None else (None, rest)
-    bias_smem, constants_loaded = rest if epilogue.has_bias else (None, *rest)
-
+  def scoped(out_smem, rhs_scales_smem, constants_loaded, bias_smem=None, out_scales_smem=None):
     def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
       # The memory warpgroup refills the step's slots once both compute
       # warpgroups have released them, after this returns.
@@ -134,13 +117,12 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
                                        lhs_scales_smem.at[0, wg_rows], rhs_scales_smem[k])
 
     def compute_context(run_pipeline):
-      # The tile's RHS scales and bias, loaded once by the first compute
-      # warpgroup; each copy arrives on the barrier once, both wait for it.
+      # The tile's constants, loaded once by the first compute warpgroup;
+      # both wait for them.
       @pl.when(wg == 0)
       def _load_constants():
-        plgpu.copy_gmem_to_smem(rhs_scales_gmem.at[n_index], rhs_scales_smem, constants_loaded)
-        if bias_smem is not None:
-          plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem, constants_loaded)
+        _load_tile_constants(rhs_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
+                             constants_loaded)
 
       plgpu.barrier_wait(constants_loaded)
       total = run_pipeline(_zeros((wg_m, tile_n)))
@@ -148,31 +130,25 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
       scales_row = _scales_row(out_scales_gmem, n_index, m_slice)
       _store_output(_finish(total, bias_smem, epilogue), out_smem.at[wg],
                     out_gmem.at[m_slice, n_slice].at[wg_rows],
-                    *(() if out_scales_smem is None else (out_scales_smem.at[wg],)),
-                    *(scales_row[0].at[:, wg_rows],) if scales_row else ())
+                    None if out_scales_smem is None else out_scales_smem.at[wg],
+                    None if scales_row is None else scales_row.at[:, wg_rows])
 
     plgpu.emit_pipeline_warp_specialized(
         step,
         grid=(k_steps,),
         memory_registers=MEMORY_WG_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=operand_transforms),
-            plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=operand_transforms),
-            plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)),
-        ],
+        in_specs=_operand_specs(cta_m, config, lhs_gmem.dtype),
         wg_axis=WG_AXIS,
         num_compute_wgs=NUM_COMPUTE_WGS,
         max_concurrent_steps=config.pipeline.steps_for(k_steps),
         compute_context=compute_context,
     )(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
 
-  bias_scratch = [plgpu.SMEM((tile_n,), jnp.float32)] if epilogue.has_bias else []
   # Allocated once for all warpgroups of the block.
-  pl.run_scoped(scoped,
-                smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
-                plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32),
-                *_scales_scratch(out_scales_gmem, (NUM_COMPUTE_WGS, 1, wg_m)), *bias_scratch,
-                barrier(num_arrivals=1 + len(bias_scratch)), collective_axes=WG_AXIS)
+  pl.run_scoped(scoped, smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
+                **_tile_constants_scratch(rhs_scales_gmem, epilogue),
+                **_scales_scratch(out_scales_gmem, (NUM_COMPUTE_WGS, 1, wg_m)),
+                collective_axes=WG_AXIS)
 
 
 def _zeros(shape: tuple[int, int]) -> jax.Array:
@@ -227,17 +203,52 @@ def _outputs(rest, epilogue: Epilogue):
   return bias_gmem, out_gmem, (out_scales[0] if out_scales else None)
 
 
-def _scales_scratch(out_scales_gmem, shape: tuple[int, ...]) -> list:
-  """The SMEM of a quantized output's scales (none for a plain output)."""
-  return [] if out_scales_gmem is None else [plgpu.SMEM(shape, jnp.float32)]
+def _operand_specs(rows: int, config: Fp8Config, dtype) -> list:
+  """The pipeline's inputs per K step: `rows` of the LHS and the tile's
+  columns of the RHS, K-major and swizzled for wgmma, and the LHS rows'
+  scales of the step."""
+  transforms = tile_transforms(config.TILE_K, dtype)
+  return [plgpu.BlockSpec((rows, config.TILE_K), lambda k: (0, k), transforms=transforms),
+          plgpu.BlockSpec((config.TILE_N, config.TILE_K), lambda k: (0, k),
+                          transforms=transforms),
+          plgpu.BlockSpec((1, rows), lambda k: (k, 0))]
 
 
-def _scales_row(out_scales_gmem, n_index, m_slice) -> tuple:
-  """The (1, rows) GMEM ref of the tile's output scales, as a 1-tuple (empty
-  for a plain output)."""
+def _tile_constants_scratch(rhs_scales_gmem, epilogue: Epilogue) -> dict:
+  """The SMEM of a tile's constants, read by every K step and the epilogue:
+  its column block's RHS scales (`rhs_scales_smem`), its bias (`bias_smem`,
+  if any), and the barrier their copies arrive on, once each."""
+  scratch = dict(rhs_scales_smem=plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32),
+                 constants_loaded=barrier(num_arrivals=1 + epilogue.has_bias))
+  if epilogue.has_bias:
+    scratch["bias_smem"] = plgpu.SMEM((Fp8Config.TILE_N,), jnp.float32)
+  return scratch
+
+
+def _load_tile_constants(rhs_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
+                         constants_loaded) -> None:
+  """Starts the copies of column block `n_index`'s RHS scales and bias into
+  `_tile_constants_scratch`'s SMEM."""
+  plgpu.copy_gmem_to_smem(rhs_scales_gmem.at[n_index], rhs_scales_smem, constants_loaded)
+  if bias_smem is not None:
+    n_slice = pl.ds(n_index * Fp8Config.TILE_N, Fp8Config.TILE_N)
+    plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem, constants_loaded)
+
+
+def _scales_scratch(out_scales_gmem, shape: tuple[int, ...]) -> dict:
+  """The SMEM of a quantized output's scales (`out_scales_smem`; none for a
+  plain output)."""
   if out_scales_gmem is None:
-    return ()
-  return (out_scales_gmem.at[pl.ds(n_index, 1), m_slice],)
+    return {}
+  return dict(out_scales_smem=plgpu.SMEM(shape, jnp.float32))
+
+
+def _scales_row(out_scales_gmem, n_index, m_slice):
+  """The (1, rows) GMEM ref of the tile's output scales, or None for a plain
+  output."""
+  if out_scales_gmem is None:
+    return None
+  return out_scales_gmem.at[pl.ds(n_index, 1), m_slice]
 
 
 def _store_output(value, out_smem, out_gmem, scales_smem=None, scales_gmem=None) -> None:
