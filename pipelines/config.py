@@ -108,10 +108,12 @@ class Fp8Config:
 
   Attributes:
     max_concurrent_steps: SMEM slots per operand (clamped to the K steps).
-    compute_wgs: compute warpgroups per CTA tile: 1, a (64, 128) tile whose
-      warpgroup also issues the loads (`emit_fp8_matmul`); or 2, a (128, 128)
-      tile with a memory warpgroup that loads each step once for both
-      (`emit_fp8_matmul_warp_specialized`).
+    compute_wgs: compute warpgroups per CTA tile: 2 (the default), a
+      (128, 128) tile with a memory warpgroup that loads each step once for
+      both (`emit_fp8_matmul_warp_specialized`); or 1, a (64, 128) tile whose
+      warpgroup also issues the loads (`emit_fp8_matmul`). On an H200 the
+      first ran 1.19-1.41x faster than the second at 4096^3-8192^3
+      (docs/performance-log.md, "FP8 on the H200").
   """
 
   TILE_M: ClassVar[int] = WGMMA_M
@@ -119,7 +121,7 @@ class Fp8Config:
   TILE_K: ClassVar[int] = FP8_SCALE_BLOCK
 
   max_concurrent_steps: int = 4
-  compute_wgs: int = 1
+  compute_wgs: int = NUM_COMPUTE_WGS
 
   def __post_init__(self):
     self.pipeline  # Validates the depth.  # noqa: B018

@@ -29,9 +29,14 @@ E4M3_SUBNORMAL_ROUNDING = 2.0**-10
 # dequantized operands: each element within this fraction of the sum of its
 # products' magnitudes (Hopper's tensor cores sum a block's FP8 products with
 # about 14 bits; the kernel adds the blocks in float32), plus the output's
-# rounding. The gated activations move an error by at most 1.13x.
-SUM_OF_MAGNITUDES_BOUND = 2.0**-12
+# rounding. Measured on an H200: at most 3.0e-4 (2**-11.7) at K = 128, less at
+# longer K, over 1024x1024 outputs (docs/performance-log.md, "FP8 on the H200").
+# The gated activations move an error by at most 1.13x.
+SUM_OF_MAGNITUDES_BOUND = 2.0**-10
 ACTIVATION_SLOPE_BOUND = 1.13
+# The norm-wise bound of the same comparison, for outputs whose own tolerance
+# is tighter (float32): 1.3e-4 to 2.4e-4 measured on the H200, whatever K.
+FP8_ACCUMULATION_TOLERANCE = 1e-3
 # A layer's output and gradients against the float32 layer: two e4m3
 # roundings of 2**-4 at most, averaging to a few percent norm-wise.
 FP8_LAYER_TOLERANCE = 0.06
@@ -53,6 +58,16 @@ def quantized_operands(seed: int, m: int, k: int, n: int):
   rhs_factors = spread(seed + 3, (-(-n // 128), -(-k // 128)), octaves=4)
   rhs = spread(seed + 1, (n, k)) * jnp.repeat(jnp.repeat(rhs_factors, 128, 0), 128, 1)[:n, :k]
   return (*quantize_fp8(lhs, ROW_BLOCK), *quantize_fp8(rhs, SQUARE_BLOCK))
+
+
+def accumulation_bound(lhs, rhs, lhs_scales, rhs_scales) -> np.ndarray:
+  """Each output element's bound from the kernel's summation (before the
+  output's rounding): `SUM_OF_MAGNITUDES_BOUND` of the sum of its products'
+  magnitudes, times the steepest activation's slope."""
+  magnitudes = jnp.dot(jnp.abs(dequantize_fp8(lhs, lhs_scales, ROW_BLOCK)),
+                       jnp.abs(dequantize_fp8(rhs, rhs_scales, SQUARE_BLOCK)).T,
+                       precision=jax.lax.Precision.HIGHEST)
+  return ACTIVATION_SLOPE_BOUND * SUM_OF_MAGNITUDES_BOUND * np.asarray(magnitudes)
 
 
 class QuantizeTest(parameterized.TestCase):
@@ -98,9 +113,9 @@ class QuantizeTest(parameterized.TestCase):
 
 class Fp8MatmulTest(testing.KernelTestCase):
   """The cases of `fp8_matmul`, on its one-warpgroup kernel (the subclass
-  below runs them on the warp-specialized one)."""
+  below runs them on the warp-specialized one, the default)."""
 
-  config = Fp8Config()
+  config = Fp8Config(compute_wgs=1)
 
   def check(self, m, k, n, *, seed, out_dtype=jnp.bfloat16, epilogue=Epilogue(),
             per_tensor=False, config=None):
@@ -115,11 +130,10 @@ class Fp8MatmulTest(testing.KernelTestCase):
     ref = fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias, epilogue=epilogue)
     # Norm-wise as every kernel; element-wise against the sum of magnitudes,
     # which does not grow with K as a bound relative to |ref| would have to.
-    self.assert_close(out, ref, dtype=out_dtype, tolerance=RELATIVE_TOLERANCE[jnp.dtype(out_dtype)])
-    magnitudes = jnp.dot(jnp.abs(dequantize_fp8(lhs, lhs_scales, ROW_BLOCK)),
-                         jnp.abs(dequantize_fp8(rhs, rhs_scales, SQUARE_BLOCK)).T,
-                         precision=jax.lax.Precision.HIGHEST)
-    bound = (ACTIVATION_SLOPE_BOUND * SUM_OF_MAGNITUDES_BOUND * np.asarray(magnitudes)
+    self.assert_close(out, ref, dtype=out_dtype,
+                      tolerance=max(RELATIVE_TOLERANCE[jnp.dtype(out_dtype)],
+                                    FP8_ACCUMULATION_TOLERANCE))
+    bound = (accumulation_bound(lhs, rhs, lhs_scales, rhs_scales)
              + OUTPUT_ROUNDING[jnp.dtype(out_dtype)] * np.abs(np.asarray(ref)))
     error = np.abs(np.asarray(out, np.float32) - np.asarray(ref))
     self.assertTrue(np.all(error <= bound),
@@ -158,12 +172,15 @@ class Fp8MatmulTest(testing.KernelTestCase):
     self.assertEqual((values.shape, values.dtype), ((m, n), jnp.dtype(jnp.float8_e4m3fn)))
     self.assertEqual((scales.shape, scales.dtype),
                      (scales_shape((m, n), ROW_BLOCK), jnp.dtype(jnp.float32)))
+    # Each block's scale is its largest magnitude's: within the accumulation
+    # bound of that element (5.5e-4 to 6.7e-4 of it measured on the H200).
     np.testing.assert_allclose(np.asarray(scales), np.asarray(quantize_fp8(ref, ROW_BLOCK)[1]),
-                               rtol=1e-4)
+                               rtol=2e-3)
     ref = np.asarray(ref)
     scale_of_each = np.asarray(dequantize_fp8(jnp.ones((m, n), jnp.float8_e4m3fn), scales))
-    bound = ((E4M3_RELATIVE_ROUNDING + 1e-4) * np.abs(ref)
-             + E4M3_SUBNORMAL_ROUNDING * scale_of_each)
+    bound = ((E4M3_RELATIVE_ROUNDING + 2e-3) * np.abs(ref)
+             + E4M3_SUBNORMAL_ROUNDING * scale_of_each
+             + accumulation_bound(lhs, rhs, lhs_scales, rhs_scales))
     error = np.abs(np.asarray(dequantize_fp8(values, scales)) - ref)
     self.assertTrue(np.all(error <= bound), f"worst excess {np.nanmax(error - bound):.3g}")
     _, _, next_rhs, next_rhs_scales = quantized_operands(27, m, n, 64)

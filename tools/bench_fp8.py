@@ -12,12 +12,12 @@ turns for `--rounds` rounds in the same process:
                           (1, 128) and (128, 128) blocks beforehand (weights
                           are stored quantized; an activation's quantization
                           is the `fp8_linear` rows' business), on the
-                          one-warpgroup kernel and (", 2 warpgroups") on the
-                          warp-specialized one (`Fp8Config.compute_wgs`)
+                          warp-specialized kernel and (", 1 warpgroup") on the
+                          one-warpgroup one (`Fp8Config.compute_wgs`)
   ours: fp8 per-tensor    `fp8_matmul` with one scale per operand
-  xla: fp8 per-tensor     XLA's FP8 GEMM (cuBLAS): the e4m3 operands converted
-                          to bf16 and scaled, which XLA rewrites into one
-                          scaled FP8 GEMM
+  xla: fp8 per-tensor     XLA's FP8 GEMM (cuBLAS): `lax.dot_general` of the
+                          e4m3 operands into float32, times the product of
+                          the two scales, in bf16
   xla: dequantize + bf16  the block-scaled operands dequantized to bf16 and
                           multiplied by `jnp.dot`: what JAX users do today
 and, with `--train`, a layer's forward + backward from a bf16 cotangent:
@@ -25,6 +25,12 @@ and, with `--train`, a layer's forward + backward from a bf16 cotangent:
 Each record has the time, TFLOP/s, the ratio to `jnp.dot` (the median of the
 rounds' ratios, and their range) and the relative error against the float32
 product of the unquantized data (FP8's own rounding included).
+
+With `--precision`, it also measures `fp8_matmul`'s error against the float32
+product of the dequantized operands (the same e4m3 values and scales: the
+kernel's own error, not FP8's rounding) at each K of `--precision_k`, with a
+float32 output, on both kernels: norm-wise, and each element's error over
+the sum of its products' magnitudes (the bound `docs/fp8.md` states).
 
 Writes `fp8_bench.json` to `--out_dir`. Needs a Hopper GPU.
 """
@@ -39,6 +45,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from core import has_gpu, timing
+from core.numerics import relative_error
 from pipelines import Fp8Config, dequantize_fp8, fp8_linear, fp8_matmul, matmul, quantize_fp8
 from pipelines.config import FP8_DTYPE
 from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK
@@ -54,6 +61,10 @@ _MIN_M = flags.DEFINE_integer("min_m", 1024, "Fewest rows of a model-suite probl
 _ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed runs per implementation and round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds in which the implementations take turns.")
 _TRAIN = flags.DEFINE_bool("train", False, "Also time a layer's forward + backward.")
+_PRECISION = flags.DEFINE_bool("precision", False,
+                               "Also measure the kernels' error at each K of --precision_k.")
+_PRECISION_K = flags.DEFINE_list("precision_k", ["128", "1024", "4096", "16384"],
+                                 "K of the --precision problems (M = N = 1024).")
 
 
 def default_problems(min_m: int) -> list[tuple[int, int, int]]:
@@ -81,10 +92,11 @@ def forward_implementations(x, w) -> tuple[dict, dict]:
                                preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
   def xla_per_tensor(o):
-    # Converted and scaled e4m3 operands feeding a dot: XLA's GEMM rewriter
-    # makes this one cuBLAS FP8 GEMM with the two scales.
-    return times_transposed(o["xt"].astype(jnp.bfloat16) * o["x_scale"].astype(jnp.bfloat16),
-                            o["wt"].astype(jnp.bfloat16) * o["w_scale"].astype(jnp.bfloat16))
+    # A dot of e4m3 operands is one cuBLAS FP8 GEMM; XLA folds the scaling
+    # and the cast into its epilogue.
+    product = jax.lax.dot_general(o["xt"], o["wt"], (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+    return (product * (o["x_scale"] * o["w_scale"])).astype(jnp.bfloat16)
 
   def dequantized(o):
     return times_transposed(dequantize_fp8(o["xq"], o["xs"], ROW_BLOCK).astype(jnp.bfloat16),
@@ -94,8 +106,8 @@ def forward_implementations(x, w) -> tuple[dict, dict]:
       BASELINE: lambda o: jnp.dot(o["x"], o["w"]),
       "ours: bf16": lambda o: matmul(o["x"], o["w"]),
       "ours: fp8 block-scaled": lambda o: fp8_matmul(o["xq"], o["wq"], o["xs"], o["ws"]),
-      "ours: fp8 block-scaled, 2 warpgroups": lambda o: fp8_matmul(
-          o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config(compute_wgs=2)),
+      "ours: fp8 block-scaled, 1 warpgroup": lambda o: fp8_matmul(
+          o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config(compute_wgs=1)),
       "ours: fp8 per-tensor": lambda o: fp8_matmul(o["xt"], o["wt"], o["x_scale"],
                                                    o["w_scale"]),
       "xla: fp8 per-tensor": xla_per_tensor,
@@ -104,10 +116,13 @@ def forward_implementations(x, w) -> tuple[dict, dict]:
   return impls, operands
 
 
-def train_implementations(cotangent) -> dict:
-  """{name: fn(x, w)}: a linear layer's forward + backward from `cotangent`."""
+def train_implementations() -> dict:
+  """{name: fn(x, w, cotangent)}: a linear layer's forward + backward.
+
+  The cotangent is an argument, not a constant of the jitted step, which XLA
+  would fold (quantizing it at compile time)."""
   def step(layer):
-    def run(x, w):
+    def run(x, w, cotangent):
       out, vjp = jax.vjp(layer, x, w)
       return out, *vjp(cotangent)
     return run
@@ -132,9 +147,33 @@ def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
                           x.astype(jnp.float32), w.astype(jnp.float32))
     reference = (exact_grads[0], *exact_grads[1](cotangent.astype(jnp.float32)))
     records += [dict(r, dtype="float8_e4m3fn", **shape) for r in timing.time_in_rounds(
-        train_implementations(cotangent), (x, w), flops=3 * 2 * m * k * n,
+        train_implementations(), (x, w, cotangent), flops=3 * 2 * m * k * n,
         baseline=TRAIN_BASELINE, reference=reference, iterations=iterations,
         rounds=rounds).values()]
+  return records
+
+
+def precision_records(k_values: list[int], m: int = 1024, n: int = 1024) -> list[dict]:
+  """`fp8_matmul`'s error against the float32 product of its dequantized
+  operands, with a float32 output, on each kernel, at each K: norm-wise
+  (`rel_error`) and the largest of each element's error over the sum of its
+  products' magnitudes (`magnitude_error`)."""
+  records = []
+  for k in k_values:
+    x, w = cli.random_operands(m, k, n, jnp.bfloat16)
+    xq, xs = quantize_fp8(x, ROW_BLOCK)
+    wq, ws = quantize_fp8(w.T, SQUARE_BLOCK)
+    x_dq = dequantize_fp8(xq, xs, ROW_BLOCK)
+    w_dq = dequantize_fp8(wq, ws, SQUARE_BLOCK)
+    exact = jnp.dot(x_dq, w_dq.T, precision=jax.lax.Precision.HIGHEST)
+    magnitudes = jnp.dot(jnp.abs(x_dq), jnp.abs(w_dq).T, precision=jax.lax.Precision.HIGHEST)
+    for compute_wgs in (1, 2):
+      out = jax.jit(lambda *a, c=compute_wgs: fp8_matmul(
+          *a, out_dtype=jnp.float32, config=Fp8Config(compute_wgs=c)))(xq, wq, xs, ws)
+      records.append(dict(
+          kernel=f"precision: fp8_matmul, compute_wgs={compute_wgs}", shape=f"{m}x{k}x{n}",
+          layout="NN", dtype="float8_e4m3fn", rel_error=float(relative_error(out, exact)),
+          magnitude_error=float(jnp.max(jnp.abs(out - exact) / magnitudes))))
   return records
 
 
@@ -162,8 +201,11 @@ def main(argv):
     records += bench_problem(m, k, n, train=_TRAIN.value, iterations=_ITERATIONS.value,
                              rounds=_ROUNDS.value)
     report.write_json(path, records)  # After each problem, so a stopped run keeps them.
+  if _PRECISION.value:
+    records += precision_records([int(k) for k in _PRECISION_K.value])
+    report.write_json(path, records)
   report.print_table(records, ["shape", "kernel", "median_us", "tflops", "ratio_to_dot",
-                               "ratio_min", "ratio_max", "rel_error", "error"])
+                               "ratio_min", "ratio_max", "rel_error", "magnitude_error", "error"])
   for line in summary(records):
     print(line)
   cli.say_written([path])

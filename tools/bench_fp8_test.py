@@ -42,10 +42,20 @@ class ImplementationsTest(testing.KernelTestCase):
     want = [x.astype(jnp.float32) @ w.astype(jnp.float32),
             g.astype(jnp.float32) @ w.astype(jnp.float32).T,
             x.astype(jnp.float32).T @ g.astype(jnp.float32)]
-    for name, fn in bench.train_implementations(g).items():
-      got = self.run_kernel(jax.jit(fn), x, w)
+    for name, fn in bench.train_implementations().items():
+      got = self.run_kernel(jax.jit(fn), x, w, g)
       for part, (a, b) in zip(("out", "d x", "d w"), zip(got, want, strict=True), strict=True):
         self.assertLess(relative_error(a, b), FP8_TOLERANCE, f"{name}: {part}")
+
+
+class PrecisionTest(testing.KernelTestCase):
+
+  def test_kernels_error_is_small_against_the_dequantized_product(self):
+    records = bench.precision_records([256], m=64, n=128)
+    self.assertLen(records, 2)
+    for r in records:
+      self.assertLess(r["rel_error"], 1e-2, r["kernel"])
+      self.assertLess(r["magnitude_error"], 1e-2, r["kernel"])
 
 
 if __name__ == "__main__":
