@@ -387,11 +387,11 @@ class TuningConfig:
     return min(2, (self.tile_m // self.epi_tile_m) * (self.tile_n // self.epi_tile_n))
 
 
-def check_operand_dtype(name: str, dtype) -> jnp.dtype:
+def check_operand_dtype(name: str, dtype, allowed: tuple = OPERAND_DTYPES) -> jnp.dtype:
   dtype = jnp.dtype(dtype)
-  if dtype not in OPERAND_DTYPES:
+  if dtype not in allowed:
     raise ValueError(f"{name}.dtype={dtype.name} is not supported; use one of "
-                     f"{[d.name for d in OPERAND_DTYPES]}")
+                     f"{[d.name for d in allowed]}")
   return dtype
 
 

@@ -139,7 +139,7 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
                         delay_release: int = 0, layout: OperandLayout = NN,
                         swizzle: int | None = None, out_swizzle: int | None = None,
                         gated: bool = False, grouped: bool = False,
-                        ragged_k: bool = False) -> dict:
+                        ragged_k: bool = False, has_column_scales: bool = False) -> dict:
   """The SMEM `emit_cooperative_matmul` allocates for K = `k`, by name.
 
   The kernel allocates exactly this (`pl.run_scoped(**...)`), and
@@ -152,7 +152,8 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
   `up_gmem`). `grouped`: the epilogue stores tiles of any number of rows
   (`emit_cooperative_matmul`'s `group_tiles`). `ragged_k`: the K loop's
   length is traced (`emit_cooperative_matmul`'s `group_rows`), so the
-  pipeline keeps all its slots whatever `k` is.
+  pipeline keeps all its slots whatever `k` is. `has_column_scales`: the
+  epilogue scales the columns (`emit_cooperative_matmul`'s `column_scales_gmem`).
   """
   num_rhs = 2 if gated else 1
   k_steps = pl.cdiv(k // config.k_splits, config.tile_k)
@@ -171,7 +172,7 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
                                         ignore, swizzle, num_rhs).get_allocations(*shapes),
       **epilogue_scratch(config, config.store_dtype(out_dtype),
                          has_bias=has_bias and config.fuses_epilogue, swizzle=out_swizzle,
-                         partial_rows=grouped),
+                         partial_rows=grouped, has_column_scales=has_column_scales),
   )
   if delay_release:
     # The pipeline never waits for the release of a tile's last
@@ -189,7 +190,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             addend_gmem=None, pre_activation_gmem=None, up_gmem=None,
                             up_product_gmem=None, group_tiles: GroupTiles | None = None,
                             group_rows: GroupRows | None = None,
-                            derivative_gmem=None) -> None:
+                            derivative_gmem=None, column_scales_gmem=None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   With `up_gmem`, the gated unit instead: `out_gmem = epilogue(lhs_gmem @
@@ -262,6 +263,10 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
     derivative_gmem: (M, N) ref of `out_gmem`'s dtype, or None: also
       receives the activation's derivative at the sum (for a backward pass:
       `Epilogue.keeps_derivative`).
+    column_scales_gmem: (N,) float32 ref, or None: each column of the product
+      is multiplied by its scale before the addend, bias and activation (an
+      FP8 product's dequantization). Needs k_splits = 1, and no gate or
+      grouped matmul.
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
@@ -274,6 +279,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
     raise ValueError("up_product_gmem needs up_gmem")
   if gated and up_gmem.shape != rhs_gmem.shape:
     raise ValueError(f"up_gmem must have rhs_gmem's shape {rhs_gmem.shape}, got {up_gmem.shape}")
+  if column_scales_gmem is not None and (k_splits > 1 or gated or group_tiles is not None
+                                         or group_rows is not None):
+    raise ValueError("column_scales_gmem needs k_splits=1 and no gate or grouped matmul")
   if k_splits > 1 and (bias_gmem is not None or epilogue != Epilogue()
                        or pipeline_callback is not None or addend_gmem is not None
                        or pre_activation_gmem is not None or derivative_gmem is not None
@@ -329,11 +337,12 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                                 layout=layout, swizzle=swizzle,
                                 out_swizzle=output_swizzle(
                                     config, out_gmem.at[0] if ragged_k else out_gmem),
-                                gated=gated, grouped=grouped, ragged_k=ragged_k)
+                                gated=gated, grouped=grouped, ragged_k=ragged_k,
+                                has_column_scales=column_scales_gmem is not None)
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
   def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None,
-             rows_smem=None):
+             rows_smem=None, column_scales_smem=None, column_scales_loaded=None):
     wg = lax.axis_index(WG_AXIS)
 
     def work_item(split, m_tile, n_tile, _):
@@ -424,6 +433,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
           # Start the bias load now; it lands while the K loop runs.
           plgpu.copy_gmem_to_smem(bias_gmem.at[cta_n_slice].at[wg_n_slice],
                                   bias_smem.at[wg], bias_loaded.at[wg])
+        if column_scales_gmem is not None:
+          plgpu.copy_gmem_to_smem(column_scales_gmem.at[cta_n_slice].at[wg_n_slice],
+                                  column_scales_smem.at[wg], column_scales_loaded.at[wg])
 
         # One accumulator per RHS tile of the warpgroup's columns, per RHS.
         @functools.partial(pl.run_scoped, acc_refs=[
@@ -440,12 +452,14 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
             plgpu.barrier_arrive(tile_drained)
           if bias_gmem is not None:
             plgpu.barrier_wait(bias_loaded.at[wg])
+          if column_scales_gmem is not None:
+            plgpu.barrier_wait(column_scales_loaded.at[wg])
 
           def run_epilogue():
             with jax.named_scope("epilogue"):
               store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue,
                              wg_addend, wg_pre_activation, up_blocks, wg_up_product,
-                             wg_rows, rows_smem, wg_derivative)
+                             wg_rows, rows_smem, wg_derivative, column_scales_smem)
           if stores is None:
             run_epilogue()
           else:

@@ -164,14 +164,15 @@ def output_swizzle(config, out_gmem) -> int:
 
 
 def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None = None,
-                     partial_rows: bool = False) -> dict:
+                     partial_rows: bool = False, has_column_scales: bool = False) -> dict:
   """The SMEM `store_epilogue` uses, for `pl.run_scoped(**...)` in a kernel.
 
   `out_smem`: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) staging
   tiles of `out_dtype`, swizzled (`swizzle` bytes, `output_swizzle`; by
   default the widest a row allows); with `has_bias` also `bias_smem`
   (2, tile_n) of `BIAS_DTYPE` and `bias_loaded`, one barrier per compute warpgroup for the
-  copy of its tile's bias into `bias_smem`; with `partial_rows` also
+  copy of its tile's bias into `bias_smem`; with `has_column_scales`
+  likewise `column_scales_smem` and `column_scales_loaded`; with `partial_rows` also
   `rows_smem`, (2, epi_tile_m, epi_tile_n) plain (unswizzled) staging tiles
   for the sub-tiles of which only some rows are stored (`store_epilogue`'s
   `row_range`).
@@ -181,6 +182,9 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
   if has_bias:
     scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), BIAS_DTYPE)
     scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
+  if has_column_scales:
+    scratch["column_scales_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), jnp.float32)
+    scratch["column_scales_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
   if partial_rows:
     scratch["rows_smem"] = smem((NUM_COMPUTE_WGS, config.epi_tile_m, config.epi_tile_n),
                                 out_dtype)
@@ -216,7 +220,7 @@ def _store_rows(x, first: jax.Array, end: jax.Array, rows_smem, gmem_tile) -> No
 def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,
                    wg_addend=None, wg_pre_activation=None, up_blocks=None,
                    wg_up_product=None, row_range=None, rows_smem=None,
-                   wg_derivative=None) -> None:
+                   wg_derivative=None, column_scales_smem=None) -> None:
   """Applies `epilogue` to a compute warpgroup's accumulator and stores it with TMA.
 
   Runs in compute warpgroup `wg` of a matmul kernel, after its K loop.
@@ -231,6 +235,10 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
       tiles of the output dtype, swizzled.
     bias_smem: (2, tile_n) float32 SMEM ref holding this tile's bias (loaded),
       or None.
+    column_scales_smem: (2, tile_n) float32 SMEM ref holding the scale of
+      each of this tile's columns (loaded), or None: the accumulator is
+      multiplied by it before anything is added (the dequantization of an
+      FP8 product).
     config: a `TuningConfig` (tiles and epilogue tiles).
     wg_addend: (tile_m, tile_n) GMEM ref of any float dtype, added in float32
       before the bias, or None. Each epilogue sub-tile of it is loaded
@@ -309,6 +317,10 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
     for j in range(n_sub):
       block, col = divmod(j * epi_n, block_n)
       x = acc_blocks[block][i * epi_m:(i + 1) * epi_m, col:col + epi_n]
+      if column_scales_smem is not None:
+        scales = plgpu.load(column_scales_smem.at[wg, pl.ds(j * epi_n, epi_n)],
+                            layout=plgpu.Layout.WGMMA.reduce(0))
+        x = x * lax.broadcast_in_dim(scales, x.shape, (1,))
       if wg_addend is not None:
         # Straight from GMEM into the accumulator's layout: each thread loads
         # its pairs of adjacent elements. Mosaic GPU's "optimized" transfers

@@ -31,6 +31,7 @@ from pipelines import operands
 from pipelines.config import (
   FP8_DTYPE,
   NUM_COMPUTE_WGS,
+  OPERAND_DTYPES,
   Fp8Config,
   MatmulDimension,
   PipelinedConfig,
@@ -56,11 +57,12 @@ from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS, emit_pipelined_matmu
 def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                    has_bias: bool = False, delay_release: int = 0,
                    gated: bool = False, grouped: bool = False,
-                   ragged_k: bool = False) -> SmemBudget:
+                   ragged_k: bool = False, has_column_scales: bool = False) -> SmemBudget:
   """The SMEM the warp-specialized kernel of `config.schedule` allocates for `problem`
   (with `gated`, the cooperative body's gated unit, `ws_gated_matmul`; with
   `grouped`, its grouped matmul, `ws_ragged_matmul`; with `ragged_k`, the
-  grouped matmul's weight gradient, `ws_ragged_k_matmul`)."""
+  grouped matmul's weight gradient, `ws_ragged_k_matmul`; with
+  `has_column_scales`, `ws_matmul`'s `column_scales`)."""
   if config.schedule == Schedule.PINGPONG:
     scratch = pingpong_scratch(config, problem.dtype, out_dtype, k=problem.k, has_bias=has_bias,
                                layout=problem.layout)
@@ -68,7 +70,7 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
     scratch = cooperative_scratch(config, problem.dtype, out_dtype, k=problem.k,
                                   has_bias=has_bias, delay_release=delay_release,
                                   layout=problem.layout, gated=gated, grouped=grouped,
-                                  ragged_k=ragged_k)
+                                  ragged_k=ragged_k, has_column_scales=has_column_scales)
   return SmemBudget.of_scratch(
       scratch, labels={"pipeline_allocs": pipeline_buffer_names(config, gated=gated)})
 
@@ -76,7 +78,8 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
 def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
                     has_bias: bool = False, delay_release: int = 0,
                     kernel: str | None = None, gated: bool = False,
-                    grouped: bool = False, ragged_k: bool = False) -> None:
+                    grouped: bool = False, ragged_k: bool = False,
+                    has_column_scales: bool = False) -> None:
   """Raises `ValueError` unless the warp-specialized kernel can run `config` on `problem`.
 
   `problem.k` must be a multiple of `config.tile_k`: `ws_matmul` checks the K
@@ -91,8 +94,13 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   two blocks of a cluster could be on two groups' weights). `ragged_k`: the
   config runs the grouped matmul's weight gradient (`ws_ragged_k_matmul`),
   which needs what `grouped` does and wg_dimension M (each warpgroup zeroes
-  the rows of other groups in its own LHS columns).
+  the rows of other groups in its own LHS columns). `has_column_scales`: the
+  epilogue scales the columns (`ws_matmul`'s `column_scales`), which needs
+  the cooperative schedule without a split of K.
   """
+  if has_column_scales and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1):
+    raise ValueError(f"{config!r}: column scales need schedule=Schedule.COOPERATIVE and "
+                     "k_splits=1")
   if gated and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1):
     raise ValueError(f"{config!r}: the gated unit needs schedule=Schedule.COOPERATIVE and "
                      "k_splits=1")
@@ -122,7 +130,8 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                      f"{config.max_concurrent_steps})")
   if problem.k:  # K = 0 runs no kernel (`empty_result`), so it allocates nothing.
     ws_smem_budget(config, problem, out_dtype, has_bias=has_bias, delay_release=delay_release,
-                   gated=gated, grouped=grouped, ragged_k=ragged_k).check(what=repr(config))
+                   gated=gated, grouped=grouped, ragged_k=ragged_k,
+                   has_column_scales=has_column_scales).check(what=repr(config))
 
 
 def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
@@ -167,9 +176,10 @@ def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_
   ), collective_axes=collective_axes)
 
 
-def _check_call(lhs, rhs, bias, out_dtype, layout: operands.OperandLayout = operands.NN):
+def _check_call(lhs, rhs, bias, out_dtype, layout: operands.OperandLayout = operands.NN,
+                dtypes: tuple = OPERAND_DTYPES):
   """Step 1: (problem, out dtype, bias as float32 or None)."""
-  problem = operands.check_operands(lhs, rhs, layout)
+  problem = operands.check_operands(lhs, rhs, layout, dtypes)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   if bias is not None:
     if bias.shape != (problem.n,):
@@ -190,7 +200,8 @@ def empty_result(problem: operands.MatmulProblem, out_dtype, operands_in: tuple,
 def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
               config: TuningConfig, epilogue: Epilogue = Epilogue(),
               out_dtype=None, layout: operands.OperandLayout = operands.NN,
-              keep_derivative: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+              keep_derivative: bool = False,
+              column_scales: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
   """`epilogue(op(lhs) @ op(rhs) + bias)` with the warp-specialized kernel and a given config.
 
   Where M, N or K is 0 no kernel runs: the result is what `jnp.dot` gives
@@ -220,6 +231,12 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       pre-activation `op(lhs) @ op(rhs) + bias` (what a backward pass
       needs), written by the same epilogue in
       `epilogue.derivative_dtype(out_dtype)`.
+    column_scales: (N,) float32, or None: the product's columns are
+      multiplied by them in the epilogue, before the bias. With them the
+      operands may also be float8_e4m3fn (dequantized by the scales), stored
+      (M, K) and (N, K) (`OperandLayout(transpose_rhs=True)`: wgmma reads
+      8-bit operands K-major only), with an explicit `out_dtype`. Needs the
+      cooperative schedule and k_splits = 1.
 
   Returns:
     (M, N) array of `out_dtype`, accumulated in float32; with
@@ -228,9 +245,18 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   if (bias is not None) != epilogue.has_bias:
     raise ValueError(f"bias is {'given' if bias is not None else 'missing'} but "
                      f"epilogue.has_bias={epilogue.has_bias}")
-  problem, out_dtype, bias = _check_call(lhs, rhs, bias, out_dtype, layout)
+  scaled = column_scales is not None
+  problem, out_dtype, bias = _check_call(lhs, rhs, bias, out_dtype, layout,
+                                         (*OPERAND_DTYPES, FP8_DTYPE) if scaled else OPERAND_DTYPES)
+  if problem.dtype == FP8_DTYPE and (layout.transpose_lhs or not layout.transpose_rhs):
+    raise ValueError(f"float8_e4m3fn operands must be stored (M, K) and (N, K) "
+                     f"(OperandLayout(transpose_rhs=True)), got {layout=}")
+  if scaled and (column_scales.shape, jnp.dtype(column_scales.dtype)) != (
+      (problem.n,), jnp.dtype(jnp.float32)):
+    raise ValueError(f"column_scales must be ({problem.n},) float32, got "
+                     f"{column_scales.shape} {jnp.dtype(column_scales.dtype).name}")
   check_ws_config(config, operands.pad_k(problem, config.tile_k * config.k_splits), out_dtype,
-                  has_bias=bias is not None)
+                  has_bias=bias is not None, has_column_scales=scaled)
   if problem.is_empty:
     out = empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
     if not keep_derivative:
@@ -241,6 +267,8 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   sizes = ws_tma_sizes(config, problem, out_dtype)
   lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, sizes)
   padded_m, padded_n = sizes.out
+  if scaled:
+    column_scales = operands.zero_pad(column_scales, (padded_n,))
   m, n = problem.m, problem.n
   kernel_bias, kernel_epilogue = (bias, epilogue) if config.fuses_epilogue else (None, Epilogue())
   emit = (emit_pingpong_matmul if config.schedule == Schedule.PINGPONG
@@ -250,9 +278,12 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   num_outputs = 2 if kernel_keeps_derivative else 1
 
   def body(lhs_gmem, rhs_gmem, *rest):
-    bias_gmem, (out_gmem, *derivative_gmem) = rest[:-num_outputs], rest[-num_outputs:]
+    inputs, (out_gmem, *derivative_gmem) = rest[:-num_outputs], rest[-num_outputs:]
+    bias_gmem = inputs[:kernel_bias is not None]
+    scales = dict(column_scales_gmem=inputs[-1]) if scaled else {}
     emit(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=kernel_epilogue,
-         layout=layout, derivative_gmem=derivative_gmem[0] if derivative_gmem else None)
+         layout=layout, derivative_gmem=derivative_gmem[0] if derivative_gmem else None,
+         **scales)
 
   splits = (config.k_splits,) if config.k_splits > 1 else ()
   work_items = num_work_items(config, pl.cdiv(padded_m, config.cta_tile_m),
@@ -263,7 +294,8 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       body, out_type=(out_type,) * num_outputs,
       num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
       name=f"ws_matmul_{config.schedule.value}_{layout.name}")
-  outs = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)))
+  outs = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)),
+                *((column_scales,) if scaled else ()))
   if not config.fuses_epilogue:
     # One XLA fusion reads the partials once: sum, bias, activation, cast.
     pre_activation = Epilogue().apply_to_sum(outs[0][:, :m, :n].sum(axis=0),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from core import tma_copies_in_place, tma_swizzle
 from core.memory import SWIZZLE_BYTES, TILE_ROWS
-from pipelines.config import check_operand_dtype
+from pipelines.config import OPERAND_DTYPES, check_operand_dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,16 +66,18 @@ class MatmulProblem:
     return not (self.m and self.k and self.n)
 
 
-def check_operands(lhs, rhs, layout: OperandLayout = NN) -> MatmulProblem:
+def check_operands(lhs, rhs, layout: OperandLayout = NN,
+                   dtypes: tuple = OPERAND_DTYPES) -> MatmulProblem:
   """Validates `lhs` and `rhs` stored as `layout` says; raises `ValueError` naming the argument.
 
   Any M, K and N (0 included) are valid: wrappers pad what their kernel needs.
+  `dtypes`: the operand dtypes the caller's kernel takes.
   """
   for name, x in (("lhs", lhs), ("rhs", rhs)):
     if x.ndim != 2:
       raise ValueError(f"{name} must be 2-D (use jax.vmap for a batch), got {name}.shape={x.shape}")
-  check_operand_dtype("lhs", lhs.dtype)
-  check_operand_dtype("rhs", rhs.dtype)
+  check_operand_dtype("lhs", lhs.dtype, dtypes)
+  check_operand_dtype("rhs", rhs.dtype, dtypes)
   if lhs.dtype != rhs.dtype:
     raise ValueError(f"lhs and rhs dtypes differ: {lhs.dtype=}, {rhs.dtype=}")
   k, m = lhs.shape if layout.transpose_lhs else lhs.shape[::-1]
