@@ -10,6 +10,7 @@ products on `fp8_matmul`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -18,9 +19,18 @@ import jax.numpy as jnp
 
 from core.varying import cotangent_like
 from pipelines import kernel_call, operands
-from pipelines.config import FP8_DTYPE, Fp8Config
+from pipelines.config import FP8_DTYPE, Fp8Config, TuningConfig
 from pipelines.epilogue import BIAS_DTYPE, Epilogue
 from pipelines.fp8_quantize import ROW_BLOCK, SQUARE_BLOCK, quantize_fp8, scales_shape
+
+# With one scale per operand the whole K sum can stay in the tensor cores, so
+# the product runs on `matmul`'s persistent warp-specialized kernel, scaled in
+# its epilogue: its 128x256 CTA tile (two 128x128 warpgroup tiles) with K
+# steps of 128 bytes, as its bf16 tiles have, in 4 stages; 3 for a float32
+# output, whose staging tiles take twice the SMEM. Not tuned.
+PER_TENSOR_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4)
+_PER_TENSOR_FLOAT32_STAGES = 3
+_NT = operands.OperandLayout(transpose_rhs=True)
 
 
 def _check_fp8_operand(name: str, x) -> None:
@@ -66,14 +76,19 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
     out_dtype: bfloat16 (default), float16 or float32; or float8_e4m3fn
       for the output quantized in (1, 128) blocks in the kernel's epilogue,
       ready to be the LHS of the next `fp8_matmul` with no pass of its own.
-    config: the pipeline depth; `Fp8Config()` by default.
+    config: the block-scaled kernel's; `Fp8Config()` by default.
 
-  Each 128-long block of K is multiplied on the tensor cores and added,
-  times its two scales, to a float32 sum outside them, so the error does not
-  grow with K beyond float32 summation's (the tests bound it at K = 4096
-  against `fp8_matmul_reference`). Any M, N and K; K is padded with zeros to
-  whole blocks, M and N to whole tiles (`Fp8Config`). Not differentiable: it
-  takes quantized operands; `fp8_linear` is the differentiable layer.
+  With block scales, each 128-long block of K is multiplied on the tensor
+  cores and added, times its two scales, to a float32 sum outside them, so
+  the error does not grow with K beyond float32 summation's (the tests bound
+  it at K = 4096 against `fp8_matmul_reference`). With one scale for each
+  operand (both () and a 16- or 32-bit output), the product runs on
+  `matmul`'s persistent kernel (`PER_TENSOR_CONFIG`; `config` does not
+  apply) and the tensor cores sum all of K, scaled once in the epilogue:
+  faster, and its error grows with K as the tensor cores' sum does. Any M, N
+  and K; operands are padded with zeros where the kernel needs. Not
+  differentiable: it takes quantized operands; `fp8_linear` is the
+  differentiable layer.
 
   Returns:
     (M, N) array of `out_dtype`; for float8_e4m3fn, (values (M, N),
@@ -97,6 +112,13 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
       raise ValueError(f"bias must have shape (N,)=({n},), got {bias.shape=}")
     bias = bias.astype(BIAS_DTYPE)
   config = _checked_config(config)
+  if lhs_scales.shape == rhs_scales.shape == () and jnp.dtype(out_dtype) != FP8_DTYPE:
+    per_tensor = PER_TENSOR_CONFIG
+    if jnp.dtype(out_dtype).itemsize == 4:
+      per_tensor = dataclasses.replace(per_tensor, max_concurrent_steps=_PER_TENSOR_FLOAT32_STAGES)
+    return kernel_call.ws_matmul(lhs, rhs, bias, config=per_tensor, epilogue=epilogue,
+                                 out_dtype=out_dtype, layout=_NT,
+                                 column_scales=jnp.full((n,), lhs_scales * rhs_scales))
   lhs_scales = jnp.broadcast_to(lhs_scales, lhs_scales_shape)
   rhs_scales = jnp.broadcast_to(rhs_scales, rhs_scales_shape)
   return kernel_call.fp8_block_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, bias,

@@ -188,9 +188,6 @@ class Fp8MatmulTest(testing.KernelTestCase):
                           config=self.config)
     self.assertEqual(out.shape, (m, 64))
 
-  def test_one_scale_per_tensor(self):
-    self.check(64, 256, 256, seed=11, per_tensor=True)
-
   @parameterized.parameters(1, 2, 3)
   def test_pipeline_depths(self, steps):
     self.check(64, 512, 128, seed=13,
@@ -261,6 +258,82 @@ class Fp8MatmulWarpSpecializedTest(Fp8MatmulTest):
   warpgroup (`emit_fp8_matmul_warp_specialized`)."""
 
   config = Fp8Config(compute_wgs=2)
+
+
+class Fp8PerTensorTest(testing.KernelTestCase):
+  """One scale per operand: `fp8_matmul` on `matmul`'s persistent kernel,
+  which sums all of K in the tensor cores and scales the columns in its
+  epilogue."""
+
+  # The tensor cores' sum loses about 2**-14 of the running sum per 32-long
+  # K step, which grows with K: the element-wise bound is the block kernel's
+  # or (K / 32) * 2**-13, twice that worst case, whichever is larger.
+  K_STEP_BOUND = 2.0**-13 / 32
+
+  def check(self, m, k, n, *, seed, out_dtype=jnp.bfloat16, epilogue=Epilogue()):
+    lhs = testing.random_array(seed, (m, k), jnp.float32).astype(jnp.float8_e4m3fn)
+    rhs = (testing.random_array(seed + 1, (n, k), jnp.float32) * 4).astype(jnp.float8_e4m3fn)
+    lhs_scale, rhs_scale = jnp.float32(0.03), jnp.float32(2.0)
+    bias = testing.random_array(seed + 3, (n,), jnp.float32) if epilogue.has_bias else None
+    out = self.run_kernel(fp8_matmul, lhs, rhs, lhs_scale, rhs_scale, bias,
+                          activation=epilogue.activation, out_dtype=out_dtype)
+    self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype)))
+    ref = fp8_matmul_reference(lhs, rhs, lhs_scale, rhs_scale, bias, epilogue=epilogue)
+    self.assert_close(out, ref, dtype=out_dtype,
+                      tolerance=max(RELATIVE_TOLERANCE[jnp.dtype(out_dtype)],
+                                    FP8_ACCUMULATION_TOLERANCE))
+    growth = max(SUM_OF_MAGNITUDES_BOUND, k * self.K_STEP_BOUND) / SUM_OF_MAGNITUDES_BOUND
+    bound = (growth * accumulation_bound(lhs, rhs, lhs_scale, rhs_scale)
+             + OUTPUT_ROUNDING[jnp.dtype(out_dtype)] * np.abs(np.asarray(ref)))
+    error = np.abs(np.asarray(out, np.float32) - np.asarray(ref))
+    self.assertTrue(np.all(error <= bound),
+                    f"{np.count_nonzero(~(error <= bound))} of {error.size} elements outside the "
+                    f"bound; worst excess {np.nanmax(error - bound):.3g}")
+    return out
+
+  @parameterized.product(shape=[(128, 256, 256), (64, 512, 128)],
+                         out_dtype=[jnp.bfloat16, jnp.float16, jnp.float32])
+  def test_matches_reference(self, shape, out_dtype):
+    self.check(*shape, seed=31, out_dtype=out_dtype)
+
+  @parameterized.parameters((100, 200, 136), (8, 40, 300), (300, 384, 64))
+  def test_any_m_k_and_n(self, m, k, n):
+    """M, N and K off the tiles: padded with zeros."""
+    self.check(m, k, n, seed=33)
+
+  @parameterized.product(activation=base.ACTIVATIONS, has_bias=[False, True])
+  def test_fused_epilogue(self, activation, has_bias):
+    self.check(128, 256, 128, seed=35, out_dtype=jnp.float32,
+               epilogue=Epilogue(activation=activation, has_bias=has_bias))
+
+  def test_real_size(self):
+    if self.backend != testing.GPU:
+      self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
+    self.check(2048, 4096, 4096, seed=37)
+
+  def test_runs_the_persistent_kernel(self):
+    """Per-tensor scales and a 16-bit output take the persistent kernel; an
+    e4m3 output or block scales the block kernel."""
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(29, 100, 200, 136)
+    one = jnp.float32(1.0)
+    for scales, out_dtype, kernel in (((one, one), jnp.bfloat16, "ws_matmul_cooperative_NT"),
+                                      ((one, one), jnp.float8_e4m3fn, "fp8_block_scaled_matmul"),
+                                      ((lhs_scales, one), jnp.bfloat16,
+                                       "fp8_block_scaled_matmul")):
+      text = testing.lowered_for_gpu(
+          lambda a, b, *s, o=out_dtype: fp8_matmul(a, b, *s, out_dtype=o), lhs, rhs, *scales)
+      self.assertEqual(testing.mosaic_kernel_count(text), 1)
+      self.assertIn(kernel, text)
+
+  def test_lowers_for_the_gpu(self):
+    """Mosaic GPU's checks of the persistent kernel on e4m3 operands, with
+    the bias and activation fused."""
+    lhs, _, rhs, _ = quantized_operands(39, 100, 200, 136)
+    bias = testing.random_array(40, (136,), jnp.float32)
+    text = testing.lowered_for_gpu(
+        lambda a, b: fp8_matmul(a, b, jnp.float32(0.5), jnp.float32(2.0), bias,
+                                activation="silu"), lhs, rhs)
+    self.assertEqual(testing.mosaic_kernel_count(text), 1)
 
 
 class Fp8LinearTest(testing.KernelTestCase):

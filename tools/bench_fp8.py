@@ -14,7 +14,9 @@ turns for `--rounds` rounds in the same process:
                           is the `fp8_linear` rows' business), on the
                           warp-specialized kernel and (", 1 warpgroup") on the
                           one-warpgroup one (`Fp8Config.compute_wgs`)
-  ours: fp8 per-tensor    `fp8_matmul` with one scale per operand
+  ours: fp8 per-tensor    `fp8_matmul` with one scale per operand (the
+                          persistent kernel of `matmul`, scaled in its
+                          epilogue)
   xla: fp8 per-tensor     XLA's FP8 GEMM (cuBLAS): `lax.dot_general` of the
                           e4m3 operands into float32, times the product of
                           the two scales, in bf16
@@ -29,14 +31,16 @@ product of the unquantized data (FP8's own rounding included).
 With `--precision`, it also measures `fp8_matmul`'s error against the float32
 product of the dequantized operands (the same e4m3 values and scales: the
 kernel's own error, not FP8's rounding) at each K of `--precision_k`, with a
-float32 output, on both kernels: norm-wise, and each element's error over
-the sum of its products' magnitudes (the bound `docs/fp8.md` states).
+float32 output: on both block-scaled kernels, with one scale per operand,
+and XLA's per-tensor FP8 GEMM; norm-wise, and each element's error over the
+sum of its products' magnitudes (the bound `docs/fp8.md` states).
 
 Writes `fp8_bench.json` to `--out_dir`. Needs a Hopper GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 
@@ -155,24 +159,38 @@ def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
 
 def precision_records(k_values: list[int], m: int = 1024, n: int = 1024) -> list[dict]:
   """`fp8_matmul`'s error against the float32 product of its dequantized
-  operands, with a float32 output, on each kernel, at each K: norm-wise
+  operands, with a float32 output, at each K: on each block-scaled kernel,
+  with one scale per operand, and XLA's per-tensor FP8 GEMM; norm-wise
   (`rel_error`) and the largest of each element's error over the sum of its
   products' magnitudes (`magnitude_error`)."""
+  one = jnp.float32(1.0)
+
+  def xla_per_tensor(lhs, rhs, lhs_scale, rhs_scale):
+    product = jax.lax.dot_general(lhs, rhs, (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32)
+    return product * (lhs_scale * rhs_scale)
+
   records = []
   for k in k_values:
     x, w = cli.random_operands(m, k, n, jnp.bfloat16)
     xq, xs = quantize_fp8(x, ROW_BLOCK)
     wq, ws = quantize_fp8(w.T, SQUARE_BLOCK)
-    x_dq = dequantize_fp8(xq, xs, ROW_BLOCK)
-    w_dq = dequantize_fp8(wq, ws, SQUARE_BLOCK)
-    exact = jnp.dot(x_dq, w_dq.T, precision=jax.lax.Precision.HIGHEST)
-    magnitudes = jnp.dot(jnp.abs(x_dq), jnp.abs(w_dq).T, precision=jax.lax.Precision.HIGHEST)
-    for compute_wgs in (1, 2):
-      out = jax.jit(lambda *a, c=compute_wgs: fp8_matmul(
-          *a, out_dtype=jnp.float32, config=Fp8Config(compute_wgs=c)))(xq, wq, xs, ws)
+    cases = {f"fp8_matmul, compute_wgs={c}": (
+        functools.partial(fp8_matmul, out_dtype=jnp.float32, config=Fp8Config(compute_wgs=c)),
+        (xq, wq, xs, ws)) for c in (1, 2)}
+    cases["fp8_matmul, per-tensor"] = (functools.partial(fp8_matmul, out_dtype=jnp.float32),
+                                       (xq, wq, one, one))
+    cases["xla, per-tensor"] = (xla_per_tensor, (xq, wq, one, one))
+    for name, (fn, args) in cases.items():
+      lhs_dq = dequantize_fp8(args[0], args[2], ROW_BLOCK)
+      rhs_dq = dequantize_fp8(args[1], args[3], SQUARE_BLOCK)
+      exact = jnp.dot(lhs_dq, rhs_dq.T, precision=jax.lax.Precision.HIGHEST)
+      magnitudes = jnp.dot(jnp.abs(lhs_dq), jnp.abs(rhs_dq).T,
+                           precision=jax.lax.Precision.HIGHEST)
+      out = jax.jit(fn)(*args)
       records.append(dict(
-          kernel=f"precision: fp8_matmul, compute_wgs={compute_wgs}", shape=f"{m}x{k}x{n}",
-          layout="NN", dtype="float8_e4m3fn", rel_error=float(relative_error(out, exact)),
+          kernel=f"precision: {name}", shape=f"{m}x{k}x{n}", layout="NN",
+          dtype="float8_e4m3fn", rel_error=float(relative_error(out, exact)),
           magnitude_error=float(jnp.max(jnp.abs(out - exact) / magnitudes))))
   return records
 
