@@ -123,6 +123,29 @@ _WORK_ITEM_US = 2.0
 # below adds time wherever compute and HBM times are close, as in every
 # problem measured.
 _HBM_BYTES_PER_US = 5.0e6
+# At decode-size M (at most `_DECODE_SPLIT_MAX_M` rows), where the time is the
+# weights' stream, every CTA tile but the decode tile (`_DECODE_TILE`) streams
+# them at this share of `_HBM_BYTES_PER_US`. On an H200 at M = 1-16 with 64-128
+# SMs holding work, 64x256 decode tiles read the weights at 3.4-4.3 TB/s
+# (median 3.9), 64x128 tiles at 2.8-3.9 (median 3.3), 128-row tiles at
+# 2.5-3.1. 16x8192x10240: 80 work items of 2.1 MB each in both, 43.5 us in
+# 64x256 tiles in 2 K ranges, 51.0-52.5 in unsplit 64x128 tiles, which the
+# model had level (43.7 against 43.4); 16x4096x14336: 31.3 us in unsplit
+# 64x256 tiles, 35.2 in 64x128 ones, 39.9-47.3 in 128-row ones. Not one SM's
+# limit: 64x128 tiles streamed 70 GB/s per SM with 32 SMs holding work
+# (16x14336x4096), 41 with 80 (16x8192x10240); the chip's rate is what drops.
+# At M = 64 they were not slow (64x8192x8192 unsplit: 4.0 TB/s on 64 SMs,
+# against 3.2 at M = 16 in the same run), so the share stops at 16 rows.
+# Fitted on the models suite's fit half and the decode probes, M = 1-64
+# (docs/performance-log.md, "Decode and LoRA sizes of the models suite's fit
+# half" and "Shorter split-K ranges and a decode tile", and their records in
+# perf/): 0.8 has the least log error over the 165 options measured that the
+# model weighs (rms 0.15 -> 0.13), and with it the model ranks first the
+# fastest option measured, or one within 2% of it, on 27 of the 29 sets of
+# options measured together (25 before), as with any share from 0.7 to 0.85;
+# fitted on either day's records alone (2026-12-01, 2026-12-03), the least log
+# error falls at 0.83 and 0.77.
+_DECODE_OTHER_TILES_HBM_SHARE = 0.8
 # The loads overlap the wgmmas, but not perfectly: the kernel's time is the
 # 3-norm of the compute and HBM times (between their sum and their max).
 _OVERLAP_NORM = 3
@@ -200,6 +223,22 @@ def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig,
       yield splits
 
 
+def _hbm_bytes_per_us(problem: operands.MatmulProblem, config: TuningConfig) -> float:
+  """The HBM rate `_estimated_time_us` gives `config`'s CTA tiles on `problem`:
+  `_HBM_BYTES_PER_US`, or its `_DECODE_OTHER_TILES_HBM_SHARE` for tiles other
+  than the decode tile at decode-size M. Only where that share was measured:
+  not for outputs at most `_NARROW_MAX_N` wide (their own tiles, never
+  weighed against the decode tile) nor for an RHS stored (N, K), whose tiles'
+  rows run along K whatever their width."""
+  decode_tile = _DECODE_TILE[0]
+  if (problem.m <= _DECODE_SPLIT_MAX_M and problem.n > _NARROW_MAX_N
+      and not problem.layout.transpose_rhs
+      and (config.cta_tile_m, config.cta_tile_n)
+      != (decode_tile.cta_tile_m, decode_tile.cta_tile_n)):
+    return _HBM_BYTES_PER_US * _DECODE_OTHER_TILES_HBM_SHARE
+  return _HBM_BYTES_PER_US
+
+
 def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
                        tile_cost: float, splits: int) -> float:
   """The model's time for `problem` in `config`'s CTA tiles and `splits` K ranges.
@@ -207,7 +246,9 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   Compute: the busiest SM's multiply-adds, weighted by the tile's relative
   cost, plus each work item's fixed cost. HBM: the operands once (an output
   this small keeps the reused operand in L2) and the output, or the float32
-  partials of a split. A split also pays for the XLA sum of its partials.
+  partials of a split, at the rate the tile streams them (`_hbm_bytes_per_us`:
+  at decode-size M the decode tile streams the weights fastest). A split also
+  pays for the XLA sum of its partials.
   """
   m, k, n = problem.m, problem.k, problem.n
   waves = -(-_num_tiles(problem, config) * splits // device_facts().sm_count)
@@ -215,7 +256,8 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
                         / _SM_MACS_PER_US + _WORK_ITEM_US)
   partial_bytes = splits * m * n * 4 if splits > 1 else 0
   output_bytes = partial_bytes or m * n * problem.dtype.itemsize
-  hbm_us = ((m * k + k * n) * problem.dtype.itemsize + output_bytes) / _HBM_BYTES_PER_US
+  hbm_us = (((m * k + k * n) * problem.dtype.itemsize + output_bytes)
+            / _hbm_bytes_per_us(problem, config))
   kernel_us = (compute_us ** _OVERLAP_NORM + hbm_us ** _OVERLAP_NORM) ** (1 / _OVERLAP_NORM)
   sum_us = _SPLIT_SUM_US + partial_bytes / _SPLIT_SUM_BYTES_PER_US if splits > 1 else 0.0
   return kernel_us + sum_us
@@ -441,7 +483,10 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   rows or fewer) goes through this model even where 128x256 tiles would fill
   a wave, and may also take a 64x256 tile, in K ranges up to 16 rows
   (16x8192x8192: in 4 ranges, 1.03x cuBLAS), unsplit up to 64
-  (16x8192x57344: 0.92x cuBLAS, where 128x256 tiles ran at 0.70x). Where
+  (16x8192x57344: 0.92x cuBLAS, where 128x256 tiles ran at 0.70x). Up to 16
+  rows the model has the other tiles stream the weights at 0.8 of that tile's rate
+  (`_DECODE_OTHER_TILES_HBM_SHARE`; 16x8192x10240: 64x256 tiles in 2 ranges
+  ran 1.18x faster than the unsplit 64x128 ones it had level). Where
   larger tiles would pad a (K, N) RHS whose N is off 64 columns and M is at
   most 256, tiles with one-segment RHS tiles read it in
   place, the others paying for the copy: 64x128 tiles where M <= 64
