@@ -16,6 +16,7 @@ from core.memory import (
     store_tile,
     swizzle_bytes,
     tile_transforms,
+    tma_boxes,
     tma_copies_in_place,
     tma_swizzle,
 )
@@ -27,5 +28,5 @@ __all__ = [
     "has_gpu", "interpret_mode", "interpret_params", "is_interpreting", "races_found",
     "require_space", "sequential_grid_semantics", "smem", "store_tile", "swizzle_bytes",
     "tile_transforms",
-    "tma_copies_in_place", "tma_swizzle",
+    "tma_boxes", "tma_copies_in_place", "tma_swizzle",
 ]

@@ -66,6 +66,12 @@ class MemoryTest(parameterized.TestCase):
       memory.accumulator((32, 64))
 
 
+  def test_tma_boxes_cover_a_run_in_boxes_of_at_most_256(self):
+    self.assertEqual([(b.start, b.size) for b in memory.tma_boxes(100)], [(0, 100)])
+    self.assertEqual([(b.start, b.size) for b in memory.tma_boxes(600)],
+                     [(0, 256), (256, 256), (512, 88)])
+
+
 class CompilerParamsTest(absltest.TestCase):
 
   def test_valid_params(self):

@@ -35,6 +35,8 @@ TILE_ROWS = 8
 # TMA moves whole 16-byte units along the minor dimension, and each array row
 # it reads or writes must start at a multiple of 16 bytes.
 TMA_MIN_BYTES = 16
+# A TMA copy's box is at most this many elements along each dimension.
+TMA_MAX_BOX = 256
 HOPPER_MEMORY_SPACES = (GMEM, SMEM, REGS)
 
 
@@ -67,6 +69,13 @@ def swizzle_bytes(minor_dim: int, dtype, *, what: str = "tile") -> int:
 def swizzle_elems(minor_dim: int, dtype, *, what: str = "tile") -> int:
   """Elements in one swizzled row segment: GMEM dims TMA tiles must divide."""
   return swizzle_bytes(minor_dim, dtype, what=what) // jnp.dtype(dtype).itemsize
+
+
+def tma_boxes(length: int) -> list[pl.Slice]:
+  """Slices of [0, `length`) of at most `TMA_MAX_BOX` elements each: the TMA
+  copies that move a 1-D run of that length."""
+  return [pl.ds(start, min(TMA_MAX_BOX, length - start))
+          for start in range(0, length, TMA_MAX_BOX)]
 
 
 def tma_copies_in_place(tile_minor: int, array_minor: int, dtype, swizzle: int) -> bool:

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import accumulator, barrier, smem, tile_transforms
+from core import accumulator, barrier, smem, tile_transforms, tma_boxes
 from pipelines.config import NUM_COMPUTE_WGS, Fp8Config
 from pipelines.epilogue import Epilogue
 from pipelines.fp8_quantize import block_scales
@@ -218,8 +218,9 @@ def _tile_constants_scratch(rhs_scales_gmem, epilogue: Epilogue) -> dict:
   """The SMEM of a tile's constants, read by every K step and the epilogue:
   its column block's RHS scales (`rhs_scales_smem`), its bias (`bias_smem`,
   if any), and the barrier their copies arrive on, once each."""
+  scale_copies = len(tma_boxes(rhs_scales_gmem.shape[1]))
   scratch = dict(rhs_scales_smem=plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32),
-                 constants_loaded=barrier(num_arrivals=1 + epilogue.has_bias))
+                 constants_loaded=barrier(num_arrivals=scale_copies + epilogue.has_bias))
   if epilogue.has_bias:
     scratch["bias_smem"] = plgpu.SMEM((Fp8Config.TILE_N,), jnp.float32)
   return scratch
@@ -228,8 +229,11 @@ def _tile_constants_scratch(rhs_scales_gmem, epilogue: Epilogue) -> dict:
 def _load_tile_constants(rhs_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
                          constants_loaded) -> None:
   """Starts the copies of column block `n_index`'s RHS scales and bias into
-  `_tile_constants_scratch`'s SMEM."""
-  plgpu.copy_gmem_to_smem(rhs_scales_gmem.at[n_index], rhs_scales_smem, constants_loaded)
+  `_tile_constants_scratch`'s SMEM. A row of more than `TMA_MAX_BOX` scales
+  (K over 32768) takes several copies."""
+  for box in tma_boxes(rhs_scales_gmem.shape[1]):
+    plgpu.copy_gmem_to_smem(rhs_scales_gmem.at[n_index, box], rhs_scales_smem.at[box],
+                            constants_loaded)
   if bias_smem is not None:
     n_slice = pl.ds(n_index * Fp8Config.TILE_N, Fp8Config.TILE_N)
     plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem, constants_loaded)

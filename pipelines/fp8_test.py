@@ -215,6 +215,17 @@ class Fp8MatmulTest(testing.KernelTestCase):
       self.skipTest("real sizes run on the GPU only (minutes in the interpreter)")
     self.check(2048, 8192, 4096, seed=17)
 
+  def test_more_than_256_scale_blocks(self):
+    """K over 32768: a row of RHS scales is more than one TMA box long, so
+    it is copied in several (one copy failed to lower on the H200, at the
+    d x product of a 37888-wide layer): lowered for CUDA, and run."""
+    k = 128 * 257
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(41, 64, k, 128)
+    text = testing.lowered_for_gpu(lambda *a: fp8_matmul(*a, config=self.config),
+                                   lhs, rhs, lhs_scales, rhs_scales)
+    self.assertEqual(testing.mosaic_kernel_count(text), 1)
+    self.check(64, k, 128, seed=41, out_dtype=jnp.float32)
+
   @parameterized.parameters((0, 256, 128), (64, 256, 0), (64, 0, 128))
   def test_empty_problems_launch_no_kernel(self, m, k, n):
     lhs = jnp.zeros((m, k), jnp.float8_e4m3fn)
