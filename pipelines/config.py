@@ -112,8 +112,8 @@ class Fp8Config:
       (128, 128) tile with a memory warpgroup that loads each step once for
       both (`emit_fp8_matmul_warp_specialized`); or 1, a (64, 128) tile whose
       warpgroup also issues the loads (`emit_fp8_matmul`). On an H200 the
-      first ran 1.19-1.41x faster than the second at 4096^3-8192^3
-      (docs/performance-log.md, "FP8 on the H200").
+      first ran 1.19-1.65x faster than the second, on 5 problems of 4096-8192
+      rows (docs/performance-log.md, "FP8 on the H200").
   """
 
   TILE_M: ClassVar[int] = WGMMA_M
