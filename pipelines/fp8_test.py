@@ -70,6 +70,22 @@ def accumulation_bound(lhs, rhs, lhs_scales, rhs_scales) -> np.ndarray:
   return ACTIVATION_SLOPE_BOUND * SUM_OF_MAGNITUDES_BOUND * np.asarray(magnitudes)
 
 
+def assert_product_close(test, out, ref, out_dtype, accumulation: np.ndarray) -> None:
+  """`out` (M, N) of `out_dtype` against the float32 `ref`: norm-wise as
+  every kernel (with the FP8 accumulation's floor), and each element within
+  its `accumulation` bound plus the output's rounding (a bound on the sum of
+  magnitudes, which does not grow with K as one relative to |ref| would)."""
+  test.assertEqual((out.shape, out.dtype), (ref.shape, jnp.dtype(out_dtype)))
+  test.assert_close(out, ref, dtype=out_dtype,
+                    tolerance=max(RELATIVE_TOLERANCE[jnp.dtype(out_dtype)],
+                                  FP8_ACCUMULATION_TOLERANCE))
+  bound = accumulation + OUTPUT_ROUNDING[jnp.dtype(out_dtype)] * np.abs(np.asarray(ref))
+  error = np.abs(np.asarray(out, np.float32) - np.asarray(ref))
+  test.assertTrue(np.all(error <= bound),
+                  f"{np.count_nonzero(~(error <= bound))} of {error.size} elements outside the "
+                  f"bound; worst excess {np.nanmax(error - bound):.3g}")
+
+
 class QuantizeTest(parameterized.TestCase):
 
   @parameterized.product(block=[ROW_BLOCK, SQUARE_BLOCK],
@@ -117,28 +133,15 @@ class Fp8MatmulTest(testing.KernelTestCase):
 
   config = Fp8Config(compute_wgs=1)
 
-  def check(self, m, k, n, *, seed, out_dtype=jnp.bfloat16, epilogue=Epilogue(),
-            per_tensor=False, config=None):
+  def check(self, m, k, n, *, seed, out_dtype=jnp.bfloat16, epilogue=Epilogue(), config=None):
     config = self.config if config is None else config
     lhs, lhs_scales, rhs, rhs_scales = quantized_operands(seed, m, k, n)
-    if per_tensor:
-      lhs_scales, rhs_scales = jnp.float32(0.03), jnp.float32(2.0)
     bias = testing.random_array(seed + 3, (n,), jnp.float32) if epilogue.has_bias else None
     out = self.run_kernel(fp8_matmul, lhs, rhs, lhs_scales, rhs_scales, bias,
                           activation=epilogue.activation, out_dtype=out_dtype, config=config)
-    self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype)))
     ref = fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias, epilogue=epilogue)
-    # Norm-wise as every kernel; element-wise against the sum of magnitudes,
-    # which does not grow with K as a bound relative to |ref| would have to.
-    self.assert_close(out, ref, dtype=out_dtype,
-                      tolerance=max(RELATIVE_TOLERANCE[jnp.dtype(out_dtype)],
-                                    FP8_ACCUMULATION_TOLERANCE))
-    bound = (accumulation_bound(lhs, rhs, lhs_scales, rhs_scales)
-             + OUTPUT_ROUNDING[jnp.dtype(out_dtype)] * np.abs(np.asarray(ref)))
-    error = np.abs(np.asarray(out, np.float32) - np.asarray(ref))
-    self.assertTrue(np.all(error <= bound),
-                    f"{np.count_nonzero(~(error <= bound))} of {error.size} elements outside the "
-                    f"bound; worst excess {np.nanmax(error - bound):.3g}")
+    assert_product_close(self, out, ref, out_dtype,
+                         accumulation_bound(lhs, rhs, lhs_scales, rhs_scales))
     return out
 
   @parameterized.product(shape=[(128, 256, 256), (64, 128, 128)],
@@ -288,18 +291,10 @@ class Fp8PerTensorTest(testing.KernelTestCase):
     bias = testing.random_array(seed + 3, (n,), jnp.float32) if epilogue.has_bias else None
     out = self.run_kernel(fp8_matmul, lhs, rhs, lhs_scale, rhs_scale, bias,
                           activation=epilogue.activation, out_dtype=out_dtype)
-    self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype)))
     ref = fp8_matmul_reference(lhs, rhs, lhs_scale, rhs_scale, bias, epilogue=epilogue)
-    self.assert_close(out, ref, dtype=out_dtype,
-                      tolerance=max(RELATIVE_TOLERANCE[jnp.dtype(out_dtype)],
-                                    FP8_ACCUMULATION_TOLERANCE))
     growth = max(SUM_OF_MAGNITUDES_BOUND, k * self.K_STEP_BOUND) / SUM_OF_MAGNITUDES_BOUND
-    bound = (growth * accumulation_bound(lhs, rhs, lhs_scale, rhs_scale)
-             + OUTPUT_ROUNDING[jnp.dtype(out_dtype)] * np.abs(np.asarray(ref)))
-    error = np.abs(np.asarray(out, np.float32) - np.asarray(ref))
-    self.assertTrue(np.all(error <= bound),
-                    f"{np.count_nonzero(~(error <= bound))} of {error.size} elements outside the "
-                    f"bound; worst excess {np.nanmax(error - bound):.3g}")
+    assert_product_close(self, out, ref, out_dtype,
+                         growth * accumulation_bound(lhs, rhs, lhs_scale, rhs_scale))
     return out
 
   @parameterized.product(shape=[(128, 256, 256), (64, 512, 128)],
