@@ -311,6 +311,13 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
     plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], gmem_tile)
     store += 1
 
+  def by_column(vector_smem, j, shape):
+    """Sub-tile column `j`'s part of a (2, tile_n) per-column vector in SMEM,
+    broadcast along the rows of a sub-tile."""
+    vector = plgpu.load(vector_smem.at[wg, pl.ds(j * epi_n, epi_n)],
+                        layout=plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(vector, shape, (1,))
+
   for i in range(config.tile_m // epi_m):
     sub_tile_rows = None if row_range is None else tuple(
         jnp.clip(bound - i * epi_m, 0, epi_m) for bound in row_range)
@@ -318,9 +325,7 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
       block, col = divmod(j * epi_n, block_n)
       x = acc_blocks[block][i * epi_m:(i + 1) * epi_m, col:col + epi_n]
       if column_scales_smem is not None:
-        scales = plgpu.load(column_scales_smem.at[wg, pl.ds(j * epi_n, epi_n)],
-                            layout=plgpu.Layout.WGMMA.reduce(0))
-        x = x * lax.broadcast_in_dim(scales, x.shape, (1,))
+        x = x * by_column(column_scales_smem, j, x.shape)
       if wg_addend is not None:
         # Straight from GMEM into the accumulator's layout: each thread loads
         # its pairs of adjacent elements. Mosaic GPU's "optimized" transfers
@@ -329,9 +334,7 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
                             layout=plgpu.Layout.WGMMA, optimized=False)
         x = x + addend.astype(jnp.float32)
       if bias_smem is not None:
-        bias = plgpu.load(bias_smem.at[wg, pl.ds(j * epi_n, epi_n)],
-                          layout=plgpu.Layout.WGMMA.reduce(0))
-        x = x + lax.broadcast_in_dim(bias, x.shape, (1,))
+        x = x + by_column(bias_smem, j, x.shape)
       sub_tile = (pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n))
       if wg_pre_activation is not None:
         stage_and_store(x, wg_pre_activation.at[sub_tile], sub_tile_rows)
