@@ -35,6 +35,17 @@ class ImplementationsTest(testing.KernelTestCase):
       self.assertEqual((out.shape, out.dtype), (exact.shape, jnp.dtype(jnp.bfloat16)), name)
       self.assertLess(relative_error(out, exact), FP8_TOLERANCE, name)
 
+  def test_xla_per_tensor_multiplies_the_e4m3_operands(self):
+    """XLA makes an FP8 GEMM of a dot whose operands are e4m3; operands
+    converted to bf16 first became a bf16 GEMM on the H200."""
+    x, w = (testing.random_array(6, (128, 256), jnp.bfloat16),
+            testing.random_array(7, (256, 128), jnp.bfloat16))
+    impls, operands = bench.forward_implementations(x, w)
+    text = jax.jit(impls["xla: fp8 per-tensor"]).lower(operands).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    self.assertTrue(dots)
+    self.assertTrue(all("f8E4M3FN" in line for line in dots), dots)
+
   def test_each_training_step_has_the_gradients(self):
     x, w = (testing.random_array(3, (64, 128), jnp.bfloat16),
             testing.random_array(4, (128, 128), jnp.bfloat16))
