@@ -173,7 +173,7 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
   (2, tile_n) of `BIAS_DTYPE` and `bias_loaded`, one barrier per compute warpgroup for the
   copy of its tile's bias into `bias_smem`; with `has_column_scales`
   likewise `column_scales_smem` and `column_scales_loaded`; with `partial_rows` also
-  `rows_smem`, (2, epi_tile_m, epi_tile_n) plain (unswizzled) staging tiles
+  `rows_smem`, (2, epi_tile_m, `partial_rows_width`) plain (unswizzled) staging tiles
   for the sub-tiles of which only some rows are stored (`store_epilogue`'s
   `row_range`).
   """
@@ -186,9 +186,27 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
     scratch["column_scales_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), jnp.float32)
     scratch["column_scales_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
   if partial_rows:
-    scratch["rows_smem"] = smem((NUM_COMPUTE_WGS, config.epi_tile_m, config.epi_tile_n),
-                                out_dtype)
+    scratch["rows_smem"] = smem((NUM_COMPUTE_WGS, config.epi_tile_m,
+                                 partial_rows_width(config, out_dtype)), out_dtype)
   return scratch
+
+
+# The bytes of a row of `rows_smem`: the partial sub-tiles go out in column
+# chunks this wide. A whole epilogue tile (256 bytes a row for a 16-bit
+# 64x128 one) would take 8 KiB more SMEM per warpgroup, which a grouped
+# 128x256 tile needs for its third pipeline stage; the chunks cost only the
+# rare sub-tiles at a group's edges a few more waits. Not narrower: a TMA
+# copy's SMEM source must start on 128 bytes, and the ladder's boxes start
+# at any row (64-byte rows fault with a misaligned address on the GPU; the
+# interpreter does not check it).
+PARTIAL_ROWS_BYTES = 128
+
+
+def partial_rows_width(config, out_dtype) -> int:
+  """The columns of `epilogue_scratch`'s `rows_smem`: `PARTIAL_ROWS_BYTES` of
+  `out_dtype` (the grouped matmul's configs have epilogue tiles a multiple
+  of that wide: `kernel_call.check_ws_config`)."""
+  return min(config.epi_tile_n, PARTIAL_ROWS_BYTES // jnp.dtype(out_dtype).itemsize)
 
 
 def _store_rows(x, first: jax.Array, end: jax.Array, rows_smem, gmem_tile) -> None:
@@ -200,21 +218,25 @@ def _store_rows(x, first: jax.Array, end: jax.Array, rows_smem, gmem_tile) -> No
   ladder of boxes of 2^j rows, one for each bit set in their count (13 rows:
   8, then 4, then 1). The boxes start at any row, which a swizzled tile
   cannot be sliced at (it is copied in tiles of 8 rows), so `x` is staged in
-  a plain tile (`rows_smem`): slower to write, but only the sub-tiles at a
-  group's edges take this path.
+  a plain tile (`rows_smem`), `rows_smem.shape[1]` columns at a time:
+  slower to write, but only the sub-tiles at a group's edges take this path.
   """
-  # The previous ladder must be done reading `rows_smem`.
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  rows_smem[...] = x.astype(rows_smem.dtype)
-  plgpu.commit_smem()
-  count, start = end - first, first
-  size = x.shape[0] // 2
-  while size:
-    @pl.when(count & size != 0)
-    def _store(size=size, start=start):
-      plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(start, size)], gmem_tile.at[pl.ds(start, size)])
-    start = start + (count & size)
-    size //= 2
+  width = rows_smem.shape[1]
+  for c in range(x.shape[1] // width):
+    columns = pl.ds(c * width, width)
+    # The previous ladder must be done reading `rows_smem`.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    rows_smem[...] = x[:, c * width:(c + 1) * width].astype(rows_smem.dtype)
+    plgpu.commit_smem()
+    count, start = end - first, first
+    size = x.shape[0] // 2
+    while size:
+      @pl.when(count & size != 0)
+      def _store(size=size, start=start, columns=columns):
+        plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(start, size)],
+                                gmem_tile.at[pl.ds(start, size), columns])
+      start = start + (count & size)
+      size //= 2
 
 
 def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,

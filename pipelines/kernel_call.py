@@ -45,7 +45,13 @@ from pipelines.cooperative_matmul_sm90 import (
   emit_cooperative_matmul,
   pipeline_buffer_names,
 )
-from pipelines.epilogue import BIAS_DTYPE, Epilogue, derivative_dtype, kept_derivative
+from pipelines.epilogue import (
+  BIAS_DTYPE,
+  PARTIAL_ROWS_BYTES,
+  Epilogue,
+  derivative_dtype,
+  kept_derivative,
+)
 from pipelines.fp8_matmul_sm90 import emit_fp8_matmul, emit_fp8_matmul_warp_specialized
 from pipelines.fp8_quantize import ROW_BLOCK, quantize_fp8
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
@@ -108,6 +114,14 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                   or config.cluster_m != 1):
     raise ValueError(f"{config!r}: the grouped matmul needs schedule=Schedule.COOPERATIVE, "
                      "k_splits=1 and cluster_m=1")
+  row_bytes = config.epi_tile_n * jnp.dtype(out_dtype).itemsize
+  if grouped and row_bytes % PARTIAL_ROWS_BYTES:
+    # The rows at a group's edge go out from any row of a plain SMEM tile,
+    # in chunks of PARTIAL_ROWS_BYTES a row (`epilogue.partial_rows_width`).
+    raise ValueError(f"{config!r}: the grouped matmul stores the rows at a group's edge in "
+                     f"chunks of {PARTIAL_ROWS_BYTES} bytes a row; epi_tile_n="
+                     f"{config.epi_tile_n} of {jnp.dtype(out_dtype).name} is {row_bytes} bytes: "
+                     f"use a multiple of {PARTIAL_ROWS_BYTES // jnp.dtype(out_dtype).itemsize}")
   if ragged_k and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1
                    or config.cluster_m != 1 or config.wg_dimension != MatmulDimension.M):
     raise ValueError(f"{config!r}: the grouped matmul's weight gradient needs "
