@@ -222,14 +222,14 @@ def _store_rows(x, first: jax.Array, end: jax.Array, rows_smem, gmem_tile) -> No
   slower to write, but only the sub-tiles at a group's edges take this path.
   """
   width = rows_smem.shape[1]
+  count = end - first
   for c in range(x.shape[1] // width):
     columns = pl.ds(c * width, width)
     # The previous ladder must be done reading `rows_smem`.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     rows_smem[...] = x[:, c * width:(c + 1) * width].astype(rows_smem.dtype)
     plgpu.commit_smem()
-    count, start = end - first, first
-    size = x.shape[0] // 2
+    start, size = first, x.shape[0] // 2
     while size:
       @pl.when(count & size != 0)
       def _store(size=size, start=start, columns=columns):

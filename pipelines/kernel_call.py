@@ -114,10 +114,10 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                   or config.cluster_m != 1):
     raise ValueError(f"{config!r}: the grouped matmul needs schedule=Schedule.COOPERATIVE, "
                      "k_splits=1 and cluster_m=1")
+  # The rows at a group's edge go out from any row of a plain SMEM tile,
+  # in chunks of PARTIAL_ROWS_BYTES a row (`epilogue.partial_rows_width`).
   row_bytes = config.epi_tile_n * jnp.dtype(out_dtype).itemsize
   if grouped and row_bytes % PARTIAL_ROWS_BYTES:
-    # The rows at a group's edge go out from any row of a plain SMEM tile,
-    # in chunks of PARTIAL_ROWS_BYTES a row (`epilogue.partial_rows_width`).
     raise ValueError(f"{config!r}: the grouped matmul stores the rows at a group's edge in "
                      f"chunks of {PARTIAL_ROWS_BYTES} bytes a row; epi_tile_n="
                      f"{config.epi_tile_n} of {jnp.dtype(out_dtype).name} is {row_bytes} bytes: "
