@@ -14,6 +14,8 @@ def write_json(path: str, records: list[dict]) -> None:
 def print_table(rows: list[dict], columns: Sequence[str]) -> None:
   """Prints `rows` (dicts) as an aligned text table of `columns`."""
   def fmt(v):
+    if isinstance(v, (list, tuple)):  # e.g. a problem's models, or each round's median.
+      return ",".join(fmt(x) for x in v)
     if isinstance(v, float):
       return f"{v:.2e}" if 0 < abs(v) < 1e-2 else f"{v:.3f}"
     return str(v)
