@@ -1,0 +1,73 @@
+"""What `bench_matmul` compares against, and how it prints its results (no GPU)."""
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+from pipelines.operands import OperandLayout
+from tools import bench_matmul, report
+
+LAYOUTS = {name: OperandLayout(transpose_lhs=name[0] == "T", transpose_rhs=name[1] == "T")
+           for name in ("NN", "TN", "NT", "TT")}
+
+
+def _dots(jaxpr) -> list:
+  return [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+
+
+class BaselineTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(*LAYOUTS.items())
+  def test_baseline_is_one_dot_that_writes_the_operand_dtype(self, layout):
+    """As `jnp.dot` runs: a float32 output would make cuBLAS write twice
+    the bytes and XLA add a conversion pass, a slower baseline than a user has."""
+    m, k, n = 16, 32, 48
+    lhs = jnp.ones((k, m) if layout.transpose_lhs else (m, k), jnp.bfloat16)
+    rhs = jnp.ones((n, k) if layout.transpose_rhs else (k, n), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(bench_matmul.xla_dot(layout))(lhs, rhs).jaxpr
+    self.assertEqual([eqn.primitive.name for eqn in jaxpr.eqns], ["dot_general"])
+    self.assertEqual(jaxpr.outvars[0].aval.dtype, jnp.bfloat16)
+    self.assertEqual(jaxpr.outvars[0].aval.shape, (m, n))
+
+  def test_baseline_takes_the_transposed_operands_as_stored(self):
+    lhs = jax.random.normal(jax.random.key(0), (32, 16), jnp.float32)
+    rhs = jax.random.normal(jax.random.key(1), (48, 32), jnp.float32)
+    got = bench_matmul.xla_dot(LAYOUTS["TT"])(lhs, rhs)
+    self.assertLess(float(jnp.max(jnp.abs(got - lhs.T @ rhs.T))), 1e-4)
+
+  def test_backward_baseline_products_take_the_operand_dtype(self):
+    """XLA's autodiff of the bf16 layer: every product of its forward and
+    backward reads and writes bf16, as ours do (a float32 product would let
+    its backward run on float32 cotangents)."""
+    lhs, rhs = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 48), jnp.bfloat16)
+    bias = jnp.ones((48,), jnp.float32)
+
+    def step(a, b, c):
+      out, vjp = jax.vjp(bench_matmul.xla_gelu_layer, a, b, c)
+      return vjp(jnp.ones_like(out))
+
+    dots = _dots(jax.make_jaxpr(step)(lhs, rhs, bias).jaxpr)
+    self.assertLen(dots, 3)
+    for eqn in dots:
+      self.assertEqual([v.aval.dtype for v in (*eqn.invars, *eqn.outvars)],
+                       [jnp.bfloat16] * 3, eqn)
+
+
+class PrintTest(absltest.TestCase):
+
+  def test_table_prints_lists_of_numbers_and_of_names(self):
+    """A bench record holds each round's median (floats) and, in the models
+    suite, the models a problem came from (strings)."""
+    records = [{"shape": "8x16x32", "round_median_us": [10.5, 11.25], "models": ["A", "B"]}]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+      report.print_table(records, ["shape", "round_median_us", "models"])
+    self.assertIn("10.500,11.250", out.getvalue())
+    self.assertIn("A,B", out.getvalue())
+
+
+if __name__ == "__main__":
+  absltest.main()
