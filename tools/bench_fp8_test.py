@@ -46,6 +46,18 @@ class ImplementationsTest(testing.KernelTestCase):
     self.assertTrue(dots)
     self.assertTrue(all("f8E4M3FN" in line for line in dots), dots)
 
+  def test_dequantized_path_is_a_bf16_dot(self):
+    """The dequantize-then-bf16 path's dot writes bf16, as `jnp.dot` would:
+    a float32 output made it slower than what a user runs."""
+    x, w = (testing.random_array(6, (128, 256), jnp.bfloat16),
+            testing.random_array(7, (256, 128), jnp.bfloat16))
+    impls, operands = bench.forward_implementations(x, w)
+    jaxpr = jax.make_jaxpr(impls["xla: dequantize + bf16"])(operands).jaxpr
+    dots = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+    self.assertLen(dots, 1)
+    self.assertEqual([v.aval.dtype for v in (*dots[0].invars, *dots[0].outvars)],
+                     [jnp.bfloat16] * 3)
+
   def test_each_training_step_has_the_gradients(self):
     x, w = (testing.random_array(3, (64, 128), jnp.bfloat16),
             testing.random_array(4, (128, 128), jnp.bfloat16))
