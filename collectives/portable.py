@@ -30,6 +30,12 @@ from pipelines import TuningConfig
 
 
 def _shard_dot(lhs, rhs, out_dtype):
+  # In the operand dtype as `jnp.dot` runs it: cuBLAS accumulates in float32
+  # and rounds once in its epilogue, where a float32 output would cost twice
+  # the bytes and a conversion pass. Another output dtype takes the float32
+  # product, so that it too is rounded once.
+  if jnp.dtype(out_dtype) == lhs.dtype:
+    return jnp.dot(lhs, rhs)
   return jnp.dot(lhs, rhs, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
