@@ -171,19 +171,27 @@ _SPLIT_SUM_BYTES_PER_US = 16e6
 _MIN_SPLIT_K_WIDE_TILE = 2048
 _MIN_SPLIT_K_192_TILE = 1024
 _MIN_SPLIT_K = 512
-# The ping-pong schedule's 128x192 tile, for problems with a short K loop,
-# where the epilogue it hides is a large share of a tile's time: on an H200 it
-# computed each output element 5-9% faster than the cooperative 128x256 tile
-# at K = 1024-2048, so it wins unless it leaves the busiest SM more than 5%
-# more elements (docs/performance-log.md, "Ping-pong schedule").
+# The ping-pong schedule's 128x192 tile, which hides each tile's epilogue
+# under the other warpgroup's K loop. Against the cooperative 128x256 tile on
+# an H200: at K = 1024-2048, where the epilogue is a large share of a tile's
+# time, it computed each output element 5-9% faster, so up to
+# `_PINGPONG_SHORT_K` it wins unless it leaves the busiest SM more than 5%
+# more elements (docs/performance-log.md, "Ping-pong schedule"). At longer K
+# (18 GEMMs of training steps, K = 2048-28672, bf16) the busiest SM's elements
+# predicted the two tiles' ratio within 3% on 16 of 18, so there it wins
+# where it leaves the busiest SM no more elements: the 6 problems where that
+# chose it ran 1.007-1.091x faster than with the cooperative tile, 4 of the
+# models suite's fit half (fitted) and 2 of its check half (judged; docs/performance-log.md,
+# "Large training GEMMs: ping-pong and cluster tiles").
 _PINGPONG_CONFIG = TuningConfig(tile_m=128, tile_n=192, tile_k=64, max_concurrent_steps=4,
                                 grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
                                 schedule=Schedule.PINGPONG)
-_PINGPONG_MAX_K = 2048
+_PINGPONG_SHORT_K = 2048
 (_HEURISTIC_TILE_K,) = ({tiles.tile_k for tiles, _ in _HEURISTIC_TILES}
                         | {_PINGPONG_CONFIG.tile_k, _TILE_128X64.tile_k,
                            _NARROW_DECODE_TILE[0].tile_k})
-_PINGPONG_MAX_EXTRA_WORK = 1.05
+_PINGPONG_SHORT_K_MAX_EXTRA_WORK = 1.05
+_PINGPONG_MAX_EXTRA_WORK = 1.0
 # K steps for a K that one step covers (`_with_short_k_step`): the 16-bit
 # wgmma's K granule and twice it (32- and 64-byte swizzled rows).
 _SHORT_K_STEPS = (16, 32)
@@ -458,14 +466,17 @@ def _with_rhs_in_place(config: TuningConfig, problem: operands.MatmulProblem,
   return candidate if in_place and fits else config
 
 
-def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
+def default_config(problem: operands.MatmulProblem, out_dtype, *,
+                   cooperative_only: bool = False) -> TuningConfig:
   """A sound config without tuning.
 
   The sweeps on an H200 (docs/performance-log.md, "Sweeps") favour a 128x256 CTA tile made of two
   64x256 warpgroup tiles (the widest wgmma) split along M, 3-4 stages and
-  64x128 epilogue tiles. Problems with K <= 2048 get the ping-pong schedule's
-  128x192 tile unless it would leave the busiest SM over 5% more output than
-  128x256 (16384x1024x8192: 6.5% faster than 128x256). Otherwise a cooperative
+  64x128 epilogue tiles. The ping-pong schedule's 128x192 tile replaces it
+  where it leaves the busiest SM no more output, or at most 5% more where
+  K <= 2048 and the epilogue it hides is a larger share of the time
+  (16384x1024x8192: 6.5% faster than 128x256; 8192x4096x28672, (K, M) LHS:
+  9% faster). Otherwise a cooperative
   128x192 tile replaces 128x256 where its last wave leaves enough fewer SMs
   idle (`_TILE_192_COST`; 4999x4096x2500: 5.6% faster).
 
@@ -524,8 +535,11 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   Args:
     problem: the (M, K, N) problem and operand dtype.
     out_dtype: the output dtype (the SMEM of the epilogue tiles).
+    cooperative_only: never the ping-pong schedule, for kernels that run only
+      the cooperative one (the grouped matmul).
   """
-  config = _with_rhs_in_place(_tiled_config(problem, out_dtype), problem, out_dtype)
+  config = _with_rhs_in_place(_tiled_config(problem, out_dtype, cooperative_only=cooperative_only),
+                              problem, out_dtype)
   config = _with_unpadded_output(config, problem, out_dtype)
   config = _with_short_k_step(config, problem, out_dtype)
   return _with_one_segment_k_step(config, problem, out_dtype)
@@ -547,7 +561,8 @@ def _narrow_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   raise AssertionError("unreachable: two stages of 64-column tiles always fit")
 
 
-def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
+def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
+                  cooperative_only: bool) -> TuningConfig:
   """`default_config`'s tiles, split, stages and epilogue tiles, before the
   changes that spare a padding copy (`_with_unpadded_output`,
   `_with_one_segment_k_step`)."""
@@ -571,9 +586,10 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
         problem, t, 1.0 if t is largest else wide_cost))
     splits = 1
     pingpong = _PINGPONG_CONFIG
-    if (problem.k <= _PINGPONG_MAX_K
-        and _waves_cost(problem, pingpong)
-        <= _PINGPONG_MAX_EXTRA_WORK * _waves_cost(problem, largest)
+    max_extra_work = (_PINGPONG_SHORT_K_MAX_EXTRA_WORK if problem.k <= _PINGPONG_SHORT_K
+                      else _PINGPONG_MAX_EXTRA_WORK)
+    if (not cooperative_only
+        and _waves_cost(problem, pingpong) <= max_extra_work * _waves_cost(problem, largest)
         and kernel_call.ws_smem_budget(pingpong, problem, out_dtype,
                                      has_bias=True).fits()):
       return pingpong

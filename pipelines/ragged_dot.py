@@ -26,24 +26,24 @@ import numpy as np
 
 from core.varying import cotangent_like
 from pipelines import heuristic, kernel_call, operands
-from pipelines.config import MatmulDimension, Schedule, TuningConfig
+from pipelines.config import MatmulDimension, TuningConfig
 from pipelines.epilogue import Epilogue
 
 
 def default_config(problem: operands.MatmulProblem, out_dtype, *,
                    ragged_k: bool = False) -> TuningConfig:
-  """The heuristic's config for the dense problem of all M rows, made one
-  the grouped kernel runs: the cooperative schedule, one CTA per cluster (a
-  cluster's two row tiles could be on two groups' weights), no split of K;
-  then the deepest pipeline whose SMEM fits beside the grouped epilogue's
-  staging tiles.
+  """The heuristic's cooperative config for the dense problem of all M rows
+  (the grouped kernels run no other schedule), made one they run: one CTA
+  per cluster (a cluster's two row tiles could be on two groups' weights), no
+  split of K; then the deepest pipeline whose SMEM fits beside the grouped
+  epilogue's staging tiles.
 
   With `ragged_k`, for the weight gradient (`kernel_call.ws_ragged_k_matmul`):
   `problem` is its dense (K, all M rows, N) TN product, and the warpgroups
   split the output's rows (each zeroes the other groups' rows in its own
   LHS columns)."""
-  config = dataclasses.replace(heuristic.default_config(problem, out_dtype),
-                               schedule=Schedule.COOPERATIVE, k_splits=1, cluster_m=1)
+  config = dataclasses.replace(heuristic.default_config(problem, out_dtype, cooperative_only=True),
+                               k_splits=1, cluster_m=1)
   if ragged_k:
     config = dataclasses.replace(config, wg_dimension=MatmulDimension.M)
   padded = operands.pad_k(problem, config.tile_k)

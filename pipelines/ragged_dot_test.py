@@ -21,6 +21,7 @@ from core import testing
 from core.numerics import RELATIVE_TOLERANCE, elementwise_violations, relative_error
 from pipelines import (
   MatmulDimension,
+  Schedule,
   TuningConfig,
   heuristic,
   kernel_call,
@@ -225,10 +226,26 @@ class RaggedDotTest(testing.KernelTestCase):
     problem = operands.check_operands(jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16),
                                       jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16),
                                       operands.NN)
-    dense = heuristic.default_config(problem, jnp.bfloat16)
+    dense = heuristic.default_config(problem, jnp.bfloat16, cooperative_only=True)
     grouped = grouped_default_config(problem, jnp.bfloat16)
     self.assertEqual((grouped.cta_tile_m, grouped.cta_tile_n), (dense.cta_tile_m, dense.cta_tile_n))
     self.assertEqual(grouped.max_concurrent_steps, dense.max_concurrent_steps)
+
+  def test_default_config_is_the_dense_cooperative_choice(self):
+    """Where the dense heuristic takes ping-pong (many small experts, K =
+    2048), the grouped kernel gets the heuristic's cooperative tile, not
+    ping-pong's tile under the cooperative schedule (a 128x384 CTA tile with
+    two stages, which computed 1536 columns of 1408)."""
+    problem = operands.check_operands(jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16),
+                                      jax.ShapeDtypeStruct((2048, 1408), jnp.bfloat16),
+                                      operands.NN)
+    self.assertEqual(heuristic.default_config(problem, jnp.bfloat16).schedule,
+                     Schedule.PINGPONG)
+    cooperative = heuristic.default_config(problem, jnp.bfloat16, cooperative_only=True)
+    grouped = grouped_default_config(problem, jnp.bfloat16)
+    self.assertEqual(grouped.schedule, Schedule.COOPERATIVE)
+    self.assertEqual((grouped.tile_m, grouped.tile_n, grouped.wg_dimension),
+                     (cooperative.tile_m, cooperative.tile_n, cooperative.wg_dimension))
 
 
 def weight_gradient_reference(lhs, g, group_sizes):
