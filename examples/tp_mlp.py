@@ -131,10 +131,14 @@ def collective_gated_block(x, w13, w2, *, implementation: str):
   return y.astype(jnp.float32) + x.astype(jnp.float32)
 
 
+# The XLA blocks compute what the collective ones do, as a user writes them:
+# each product in the operand dtype (so their backward products take
+# cotangents of that dtype, as ours do), the elementwise work and the
+# reduce-scatter's sums in float32.
 def xla_gated_block(x, w13, w2):
   gathered = lax.all_gather(x, AXIS, axis=0, tiled=True)
-  h = _split_gate_up(jnp.dot(gathered, w13, preferred_element_type=jnp.float32), x.dtype)
-  partial = jnp.dot(h, w2, preferred_element_type=jnp.float32)
+  h = _split_gate_up(jnp.dot(gathered, w13).astype(jnp.float32), x.dtype)
+  partial = jnp.dot(h, w2).astype(jnp.float32)
   y = lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
   return y + x.astype(jnp.float32)
 
@@ -149,9 +153,9 @@ def collective_gelu_block(x, w1, b1, w2, *, implementation: str):
 
 def xla_gelu_block(x, w1, b1, w2):
   gathered = lax.all_gather(x, AXIS, axis=0, tiled=True)
-  h = jnp.dot(gathered, w1, preferred_element_type=jnp.float32)
+  h = jnp.dot(gathered, w1).astype(jnp.float32)
   h = jax.nn.gelu(h + b1).astype(x.dtype)
-  partial = jnp.dot(h, w2, preferred_element_type=jnp.float32)
+  partial = jnp.dot(h, w2).astype(jnp.float32)
   y = lax.psum_scatter(partial, AXIS, scatter_dimension=0, tiled=True)
   return y + x.astype(jnp.float32)
 

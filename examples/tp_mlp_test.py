@@ -36,6 +36,23 @@ class TpMlpTest(parameterized.TestCase):
     self.assertTrue(row["implementation"].startswith("gated_linear_unit / "), row)
 
   @parameterized.parameters(*tp_mlp.BLOCKS)
+  def test_xla_model_products_take_the_operand_dtype(self, block):
+    """The XLA model's step is the model as a user writes it in bf16: every
+    product of its forward and backward writes bf16, as ours do (float32
+    products made its backward run on float32 cotangents)."""
+    mesh = jax.make_mesh((1,), (tp_mlp.AXIS,), devices=jax.devices()[:1])
+    step = tp_mlp.make_train_step(tp_mlp.XLA_BLOCKS[block], tp_mlp.PARAM_SPECS[block], mesh,
+                                  learning_rate=0.1)
+    problem = tp_mlp.random_problem(block, 1, tp_mlp.CPU_SHAPE, jnp.bfloat16, mesh)
+    text = step.lower(*problem).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    # Two products, the second's two backward products and the first's weight
+    # gradient (the step takes no gradient of x).
+    self.assertLen(dots, 5)
+    for line in dots:
+      self.assertRegex(line.split("->")[-1], r"xbf16>", line)
+
+  @parameterized.parameters(*tp_mlp.BLOCKS)
   def test_float16(self, block):
     self.check(4, block=block, dtype=jnp.float16)
 
