@@ -60,6 +60,7 @@ from pipelines import (
   pipelined_matmul,
   tuning_cache,
 )
+from pipelines.matmul import choose_config
 from pipelines.operands import NN, MatmulProblem, OperandLayout
 from tools import cli, gpu_sampling, model_shapes, report
 
@@ -169,24 +170,30 @@ def _time_in_rounds(impls: dict, args, *, flops: int, baseline: str, reference) 
   return records
 
 
-def bench_problem(m: int, k: int, n: int, dtype, layout: OperandLayout = NN) -> list[dict]:
-  """Times every implementation on one problem; returns one record per kernel."""
-  lhs, rhs = _stored_operands(m, k, n, dtype, layout)
-  transposes = dict(transpose_lhs=layout.transpose_lhs, transpose_rhs=layout.transpose_rhs)
-  impls = {
-      "jnp.dot": xla_dot(layout),
-      WARP_SPECIALIZED: functools.partial(matmul, **transposes),
-  }
-  problem = MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(dtype), layout=layout)
+def warp_specialized_configs(problem: MatmulProblem, dtype) -> dict[str, TuningConfig]:
+  """The warp-specialized rows of `problem` and the config each runs: what
+  `matmul` chooses (the tuning cache, else the heuristic), the heuristic's
+  where the cache has an entry, and each `--ws_config`."""
+  configs = {WARP_SPECIALIZED: choose_config(problem, dtype)}
   if tuning_cache.lookup(problem, dtype) is not None:
     # The row above takes the cached config; this one shows what a shape
     # outside the cache gets.
-    impls[HEURISTIC] = functools.partial(
-        matmul, config=default_config(problem, dtype), **transposes)
+    configs[HEURISTIC] = default_config(problem, dtype)
   for text in _WS_CONFIGS.value:
-    config = cli.parse_config(TuningConfig, text)
-    impls[f"ours: warp-specialized [{text}]"] = functools.partial(matmul, config=config,
-                                                                  **transposes)
+    configs[f"ours: warp-specialized [{text}]"] = cli.parse_config(TuningConfig, text)
+  return configs
+
+
+def bench_problem(m: int, k: int, n: int, dtype, layout: OperandLayout = NN) -> list[dict]:
+  """Times every implementation on one problem; returns one record per kernel,
+  with the config of each warp-specialized one."""
+  lhs, rhs = _stored_operands(m, k, n, dtype, layout)
+  transposes = dict(transpose_lhs=layout.transpose_lhs, transpose_rhs=layout.transpose_rhs)
+  configs = warp_specialized_configs(
+      MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(dtype), layout=layout), dtype)
+  impls = {"jnp.dot": xla_dot(layout),
+           **{name: functools.partial(matmul, config=config, **transposes)
+              for name, config in configs.items()}}
   if layout == NN:  # The pipelined kernel and JAX's own take (M, K) x (K, N) only.
     for text in filter(None, _PIPELINED.value):
       name = "ours: pipelined" + (f" [{text}]" if len(_PIPELINED.value) > 1 else "")
@@ -196,7 +203,8 @@ def bench_problem(m: int, k: int, n: int, dtype, layout: OperandLayout = NN) -> 
       impls["jax hopper_matmul_mgpu"] = _peer_matmul()
   records = _time_in_rounds(impls, (lhs, rhs), flops=2 * m * k * n, baseline="jnp.dot",
                             reference=matmul_reference(lhs, rhs, layout=layout))
-  return [dict(r, shape=f"{m}x{k}x{n}", dtype=jnp.dtype(dtype).name, layout=layout.name)
+  return [dict(r, shape=f"{m}x{k}x{n}", dtype=jnp.dtype(dtype).name, layout=layout.name,
+               **({"config": repr(configs[r["kernel"]])} if r["kernel"] in configs else {}))
           for r in records.values()]
 
 

@@ -5,9 +5,11 @@ import io
 
 import jax
 import jax.numpy as jnp
-from absl.testing import absltest, parameterized
+from absl.testing import absltest, flagsaver, parameterized
 
-from pipelines.operands import OperandLayout
+from pipelines import TuningConfig
+from pipelines.matmul import choose_config
+from pipelines.operands import MatmulProblem, OperandLayout
 from tools import bench_matmul, report
 
 LAYOUTS = {name: OperandLayout(transpose_lhs=name[0] == "T", transpose_rhs=name[1] == "T")
@@ -54,6 +56,23 @@ class BaselineTest(parameterized.TestCase):
     for eqn in dots:
       self.assertEqual([v.aval.dtype for v in (*eqn.invars, *eqn.outvars)],
                        [jnp.bfloat16] * 3, eqn)
+
+
+EXTRA_CONFIG = "tile_m=64,tile_n=128,max_concurrent_steps=3"
+
+
+class ConfigsTest(absltest.TestCase):
+
+  @flagsaver.flagsaver(ws_config=[EXTRA_CONFIG])
+  def test_each_warp_specialized_row_has_its_config(self):
+    """A record names the config its kernel ran, so that a run can be read
+    without the heuristic of its day."""
+    problem = MatmulProblem(m=4100, k=1000, n=3000, dtype=jnp.dtype(jnp.bfloat16))
+    configs = bench_matmul.warp_specialized_configs(problem, jnp.bfloat16)
+    self.assertEqual(configs[bench_matmul.WARP_SPECIALIZED],
+                     choose_config(problem, jnp.bfloat16))
+    self.assertEqual(configs[f"ours: warp-specialized [{EXTRA_CONFIG}]"],
+                     TuningConfig(tile_m=64, tile_n=128, max_concurrent_steps=3))
 
 
 class PrintTest(absltest.TestCase):
