@@ -538,11 +538,39 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
     cooperative_only: never the ping-pong schedule, for kernels that run only
       the cooperative one (the grouped matmul).
   """
+  config = _finished_config(problem, out_dtype, cooperative_only=cooperative_only)
+  if config.schedule == Schedule.PINGPONG:
+    # Ping-pong's tiles have no one-segment RHS tiles nor clusters, so where
+    # they would pad an operand that the cooperative choice reads in place
+    # (a ragged N, `_with_rhs_in_place`), that copy costs more than the
+    # epilogue they hide (2048x4096x3000, bf16: the RHS, 23 MB).
+    cooperative = _finished_config(problem, out_dtype, cooperative_only=True)
+    if _padding_us(cooperative, problem, out_dtype) < _padding_us(config, problem, out_dtype):
+      return cooperative
+  return config
+
+
+def _finished_config(problem: operands.MatmulProblem, out_dtype, *,
+                     cooperative_only: bool) -> TuningConfig:
+  """`default_config` before ping-pong is weighed against the cooperative choice's copies."""
   config = _with_rhs_in_place(_tiled_config(problem, out_dtype, cooperative_only=cooperative_only),
                               problem, out_dtype)
   config = _with_unpadded_output(config, problem, out_dtype)
   config = _with_short_k_step(config, problem, out_dtype)
   return _with_one_segment_k_step(config, problem, out_dtype)
+
+
+def _padding_us(config: TuningConfig, problem: operands.MatmulProblem, out_dtype) -> float:
+  """The modelled time of the copies that `config`'s kernel needs around it:
+  each operand padded and the output sliced where TMA cannot read or write
+  them in place (0 where it can)."""
+  sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
+  stored = (problem.layout.lhs_shape(problem.m, problem.k),
+            problem.layout.rhs_shape(problem.k, problem.n), (problem.m, problem.n))
+  return sum(operands.copy_us(size, dtype)
+             for size, shape, dtype in zip((sizes.lhs, sizes.rhs, sizes.out), stored,
+                                           (problem.dtype, problem.dtype, out_dtype), strict=True)
+             if size != shape)
 
 
 def _narrow_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
