@@ -27,6 +27,7 @@ from jax import lax
 
 from collectives import operands, reduce_scatter_schedule, schedule, topology
 from pipelines import TuningConfig
+from pipelines.operands import OperandLayout
 
 
 def _shard_dot(lhs, rhs, out_dtype):
@@ -56,9 +57,8 @@ def xla_matmul(lhs: jax.Array, rhs: jax.Array, *, out_dtype, transpose_lhs: bool
   (K, M), `transpose_rhs` rhs stored (N, K); the dot contracts the stored
   dimensions, so nothing is transposed first.
   """
-  contract = (0 if transpose_lhs else 1, 1 if transpose_rhs else 0)
-  out = lax.dot_general(lhs, rhs, ((contract[:1], contract[1:]), ((), ())),
-                        preferred_element_type=jnp.float32)
+  layout = OperandLayout(transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs)
+  out = lax.dot_general(lhs, rhs, layout.dimension_numbers, preferred_element_type=jnp.float32)
   return out.astype(out_dtype)
 
 

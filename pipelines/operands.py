@@ -42,6 +42,12 @@ class OperandLayout:
   def rhs_shape(self, k: int, n: int) -> tuple[int, int]:
     return (n, k) if self.transpose_rhs else (k, n)
 
+  @property
+  def dimension_numbers(self):
+    """`lax.dot_general`'s dimension numbers for `op(lhs) @ op(rhs)` on the
+    operands as stored (each contracted along its stored K, nothing batched)."""
+    return ((0 if self.transpose_lhs else 1,), (1 if self.transpose_rhs else 0,)), ((), ())
+
 
 NN = OperandLayout()
 

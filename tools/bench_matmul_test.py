@@ -27,8 +27,8 @@ class BaselineTest(parameterized.TestCase):
     """As `jnp.dot` runs: a float32 output would make cuBLAS write twice
     the bytes and XLA add a conversion pass, a slower baseline than a user has."""
     m, k, n = 16, 32, 48
-    lhs = jnp.ones((k, m) if layout.transpose_lhs else (m, k), jnp.bfloat16)
-    rhs = jnp.ones((n, k) if layout.transpose_rhs else (k, n), jnp.bfloat16)
+    lhs = jnp.ones(layout.lhs_shape(m, k), jnp.bfloat16)
+    rhs = jnp.ones(layout.rhs_shape(k, n), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(bench_matmul.xla_dot(layout))(lhs, rhs).jaxpr
     self.assertEqual([eqn.primitive.name for eqn in jaxpr.eqns], ["dot_general"])
     self.assertEqual(jaxpr.outvars[0].aval.dtype, jnp.bfloat16)
