@@ -281,13 +281,17 @@ def _kernel_operand_swizzle(config: TuningConfig, problem: operands.MatmulProble
                          transpose_rhs=problem.layout.transpose_rhs)
 
 
+def _copy_us(padded: tuple[int, int], stored: tuple[int, int], dtype) -> float:
+  """The modelled time of the copy between an array's stored shape and the
+  one a kernel pads it to (0 where they are the same)."""
+  return 0.0 if padded == stored else operands.copy_us(padded, dtype)
+
+
 def _rhs_padding_us(tiles: TuningConfig, problem: operands.MatmulProblem, out_dtype) -> float:
   """The modelled time of the copy that pads the RHS for `tiles` (0 where
   it is read in place)."""
-  padded = kernel_call.ws_tma_sizes(tiles, problem, out_dtype).rhs
-  if padded == problem.layout.rhs_shape(problem.k, problem.n):
-    return 0.0
-  return operands.copy_us(padded, problem.dtype)
+  return _copy_us(kernel_call.ws_tma_sizes(tiles, problem, out_dtype).rhs,
+                  problem.layout.rhs_shape(problem.k, problem.n), problem.dtype)
 
 
 def _with_one_segment_k_step(config: TuningConfig, problem: operands.MatmulProblem,
@@ -565,12 +569,9 @@ def _padding_us(config: TuningConfig, problem: operands.MatmulProblem, out_dtype
   each operand padded and the output sliced where TMA cannot read or write
   them in place (0 where it can)."""
   sizes = kernel_call.ws_tma_sizes(config, problem, out_dtype)
-  stored = (problem.layout.lhs_shape(problem.m, problem.k),
-            problem.layout.rhs_shape(problem.k, problem.n), (problem.m, problem.n))
-  return sum(operands.copy_us(size, dtype)
-             for size, shape, dtype in zip((sizes.lhs, sizes.rhs, sizes.out), stored,
-                                           (problem.dtype, problem.dtype, out_dtype), strict=True)
-             if size != shape)
+  return (_copy_us(sizes.lhs, problem.layout.lhs_shape(problem.m, problem.k), problem.dtype)
+          + _copy_us(sizes.rhs, problem.layout.rhs_shape(problem.k, problem.n), problem.dtype)
+          + _copy_us(sizes.out, (problem.m, problem.n), out_dtype))
 
 
 def _narrow_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
