@@ -113,7 +113,7 @@ def _split_feasible(problem: operands.MatmulProblem, out_dtype,
     try:
       # Against the K that `ws_matmul` pads to, as it checks the config itself.
       kernel_call.check_ws_config(
-          config, operands.pad_k(problem, config.tile_k * config.k_splits), out_dtype)
+          config, operands.pad_k(problem, config.tile_k), out_dtype)
     except ValueError as e:
       infeasible.append(Candidate(config=config, median_us=None,
                                   reason=f"infeasible: {e}"[:_REASON_CHARS]))

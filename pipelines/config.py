@@ -259,8 +259,10 @@ class TuningConfig:
       schedule only).
     schedule: see `Schedule`.
     k_splits: blocks that share each output tile's K loop (cooperative
-      schedule only). With more than one, each computes an equal range of
-      the K steps and stores a float32 partial tile; XLA then sums the
+      schedule only). With more than one, each computes a range of
+      `split_k_steps` K steps (the last range may run past K, where TMA
+      reads zeros, so K needs no padding) and stores a float32 partial
+      tile; XLA then sums the
       partials and applies the bias and activation in one pass over
       k_splits * M * N * 4 bytes. Worth it where the output has too few
       tiles to occupy the SMs and K is long (e.g. M = 512, N = 1024).
@@ -364,6 +366,14 @@ class TuningConfig:
 
   def _split(self, dimension: MatmulDimension) -> bool:
     return self.schedule == Schedule.COOPERATIVE and self.wg_dimension == dimension
+
+  def split_k_steps(self, k: int) -> int:
+    """K steps in each of the `k_splits` ranges of a K of `k`: the K steps
+    (the last may be partial) shared out, rounded up. The last range may
+    then end past K, where TMA reads zeros, so no K is padded for a split:
+    K = 4544 (71 steps of 64) splits into 4 ranges of 18 steps."""
+    k_steps = -(-k // self.tile_k)
+    return -(-k_steps // self.k_splits)
 
   def store_dtype(self, out_dtype) -> jnp.dtype:
     """What the kernel stores: `out_dtype`, or float32 partials when K is split."""

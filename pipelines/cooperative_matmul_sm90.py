@@ -156,7 +156,7 @@ def cooperative_scratch(config: TuningConfig, dtype, out_dtype, *, k: int, has_b
   epilogue scales the columns (`emit_cooperative_matmul`'s `column_scales_gmem`).
   """
   num_rhs = 2 if gated else 1
-  k_steps = pl.cdiv(k // config.k_splits, config.tile_k)
+  k_steps = config.split_k_steps(k)
   if ragged_k:
     # A static K loop shorter than the pipeline allocates fewer slots.
     k_steps = max(k_steps, config.max_concurrent_steps)
@@ -206,8 +206,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   minor dimensions allow, `config.operand_swizzle`), a minor M or N at least the
   CTA tile's (`operands.tma_sizes`), except for arrays whose tiles are one
   swizzle segment wide, which are copied as 2D boxes and need only rows on
-  16 bytes (`core.tma_copies_in_place`); and with `config.k_splits` > 1, K a
-  multiple of `config.tile_k` times `config.k_splits`. K is the LHS's; the
+  16 bytes (`core.tma_copies_in_place`). K is the LHS's; the
   RHS may hold more or fewer rows of K (padded or not), since what lies past
   either array's end reads as zeros. `kernel_call.check_ws_config` checks
   the config.
@@ -315,7 +314,11 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
   dtype = lhs_gmem.dtype
   tile_m, tile_n = config.tile_m, config.tile_n
   cta_m, cta_n = config.cta_tile_m, config.cta_tile_n
-  split_k = k // k_splits  # The K range of one block's share of a tile.
+  # Each block's share of a tile: `k_steps` K steps from split * split_k.
+  # The last range may end past K (`TuningConfig.split_k_steps`), where TMA
+  # fills whole steps with zeros, as it does a partial last step.
+  k_steps = config.split_k_steps(k)
+  split_k = k_steps * config.tile_k
   out_m_tiles = pl.cdiv(m, cta_m)
   if grouped:
     m_tiles = group_tiles.group.shape[0]
@@ -325,8 +328,6 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
     m_tiles = group_rows.start.shape[0] * out_m_tiles
   else:
     m_tiles = out_m_tiles
-  # A last partial K step reads past the arrays' end: TMA fills it with zeros.
-  k_steps = pl.cdiv(split_k, config.tile_k)
   num_rhs = 2 if gated else 1
   swizzle = operand_swizzle(config, lhs_gmem, rhs_gmem.at[0] if grouped else rhs_gmem,
                             transpose_lhs=layout.transpose_lhs, transpose_rhs=layout.transpose_rhs)

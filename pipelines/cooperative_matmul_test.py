@@ -108,8 +108,12 @@ class CooperativeMatmulTest(base.MatmulTestBase):
       (4, (128, 256, 128), 2, Epilogue(), jnp.bfloat16),
       (3, (128, 256, 256), 4, Epilogue(activation="silu", has_bias=True), jnp.float32),
       (4, (136, 128, 200), 2, Epilogue(activation="relu", has_bias=True), jnp.bfloat16),
-      # K = 3 tile_k steps in 2 splits: padded to 4 steps.
+      # K = 3 tile_k steps in 2 ranges of 2: the last ends a whole step
+      # past K, which TMA reads as zeros (K is not padded).
       (4, (64, 192, 64), 2, Epilogue(), jnp.bfloat16),
+      # K = 5 steps, the last partial, in 4 ranges of 2: the third ends in
+      # the partial step, the fourth lies wholly past K.
+      (3, (64, 296, 72), 4, Epilogue(activation="gelu", has_bias=True), jnp.bfloat16),
   )
   def test_split_k(self, num_blocks, shape, k_splits, epilogue, out_dtype):
     self.check(shape, jnp.bfloat16, seed=21, epilogue=epilogue, out_dtype=out_dtype,

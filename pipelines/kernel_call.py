@@ -88,8 +88,8 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                     has_column_scales: bool = False) -> None:
   """Raises `ValueError` unless the warp-specialized kernel can run `config` on `problem`.
 
-  `problem.k` must be a multiple of `config.tile_k`: `ws_matmul` checks the K
-  it pads to (a multiple of tile_k * k_splits), the ring kernel its own.
+  `problem.k` must be a multiple of `config.tile_k`: `ws_matmul` checks its
+  K rounded up to whole K steps, the ring kernel its own.
   `delay_release` is a `pipeline_callback`'s hold on its slots
   (`emit_cooperative_matmul`). `kernel` names a kernel that calls
   `emit_cooperative_matmul` in blocks without clusters (the rings), which
@@ -152,11 +152,10 @@ def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
                  out_dtype) -> operands.TmaSizes:
   """The shapes `ws_matmul` pads the operands and its output to for `config`
   (`operands.tma_sizes`)."""
-  # The K ranges of a split must be whole K steps; one range may end in a
-  # partial step, which TMA fills with zeros.
-  k_multiple = config.tile_k * config.k_splits if config.k_splits > 1 else 1
+  # K is never padded: TMA fills what a last K step, or a split's last K
+  # range, reads past the end with zeros (`TuningConfig.split_k_steps`).
   return operands.tma_sizes(problem, out_dtype=config.store_dtype(out_dtype),
-                            k_multiple=k_multiple, tile_m=config.cta_tile_m,
+                            k_multiple=1, tile_m=config.cta_tile_m,
                             tile_n=config.cta_tile_n,
                             copy_tiles=operand_tile_minor_dims(
                                 config, transpose_lhs=problem.layout.transpose_lhs,
@@ -269,7 +268,7 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       (problem.n,), jnp.dtype(jnp.float32)):
     raise ValueError(f"column_scales must be ({problem.n},) float32, got "
                      f"{column_scales.shape} {jnp.dtype(column_scales.dtype).name}")
-  check_ws_config(config, operands.pad_k(problem, config.tile_k * config.k_splits), out_dtype,
+  check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype,
                   has_bias=bias is not None, has_column_scales=scaled)
   if problem.is_empty:
     out = empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)

@@ -201,6 +201,26 @@ class ConfigChoiceTest(parameterized.TestCase):
       self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, f"{m}x{k}x{n}")
       self.assertEqual(text.count("stablehlo.pad"), pads, f"{m}x{k}x{n}")
 
+  def test_split_k_pads_no_operand(self):
+    """A split K whose ranges do not divide K's steps (71 steps of 64 in 4
+    ranges of 18; 63 steps, the last partial, in 4 of 16) copies neither
+    operand: the last range reads past K, which TMA fills with zeros. It
+    used to pad K to whole ranges, a copy of the weights that cost a decode
+    step more than the split saved. Lowered for an H200 on CPU."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("checks the lowering on CPU")
+    config = TuningConfig(tile_m=64, tile_n=64, wg_dimension=MatmulDimension.N,
+                          max_concurrent_steps=4, k_splits=4)
+    for m, k, n in ((1, 4544, 4544), (16, 4000, 4096)):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
+      sizes = kernel_call.ws_tma_sizes(config, problem, jnp.bfloat16)
+      self.assertEqual((sizes.lhs[1], sizes.rhs), (k, (k, n)), f"{m}x{k}x{n}")
+      lhs, rhs = base.operands(49, m, k, n, jnp.bfloat16, base.NN)
+      run = jax.jit(functools.partial(kernel_call.ws_matmul, config=config))
+      with interpret.interpret_disabled():
+        text = run.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
+      self.assertEqual(text.count("stablehlo.pad"), 0, f"{m}x{k}x{n}")
+
   def test_heuristic_multicasts_one_segment_rhs_tiles(self):
     """Where M is over 256 and the heuristic's RHS tiles, several segments
     wide, would pad a (K, N) RHS (N = 3000, 4040) or take a narrower swizzle

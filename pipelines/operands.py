@@ -178,8 +178,8 @@ def tma_sizes(problem: MatmulProblem, *, out_dtype, k_multiple: int, tile_m: int
   swizzle's row segment (`core.tma_swizzle`: both operands take one, the
   widest of `swizzles` that their minor dimensions allow). TMA masks the
   partial edge tiles and fills the K past an array's end with zeros, so K
-  need be a multiple of the K tile only where `k_multiple` says (the ranges
-  of a split K).
+  need be a multiple of the K tile only where `k_multiple` says (the
+  single-warpgroup `emit_pipeline` kernel).
 
   An array whose SMEM tile is one segment wide (the (M, K) LHS under
   64-element float16 K steps, a (K, N) RHS under 64-column warpgroup tiles,
