@@ -187,6 +187,15 @@ _PINGPONG_CONFIG = TuningConfig(tile_m=128, tile_n=192, tile_k=64, max_concurren
                                 grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
                                 schedule=Schedule.PINGPONG)
 _PINGPONG_SHORT_K = 2048
+# Where the largest tile fills at least one wave, the tiles weighed: 128x256,
+# 128x192 and 128x128, each by the output elements its busiest SM computes
+# times its cost per multiply-add. The 128x128 tile's cost (1.1, fitted to
+# split-K sweeps before this use) predicted its speed against ping-pong's
+# 128x192 tile, which leaves the busiest SM as many elements as 128x256
+# does, on six 3-5 wave problems of no suite (1024-4096 x 4096-8192 x
+# 2560-10240, bf16): model 0.917 of ping-pong's time, measured 0.907-0.922
+# (perf/2026-12-04-h200-full-wave-tiles-and-uneven-splits.json).
+_FULL_WAVE_TILES = 3
 (_HEURISTIC_TILE_K,) = ({tiles.tile_k for tiles, _ in _HEURISTIC_TILES}
                         | {_PINGPONG_CONFIG.tile_k, _TILE_128X64.tile_k,
                            _NARROW_DECODE_TILE[0].tile_k})
@@ -211,11 +220,22 @@ def _waves_cost(problem: operands.MatmulProblem, config: TuningConfig,
 
 def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig,
                       min_k: int | None = None):
-  """1, and each split of K into equal whole K steps that keeps one work item
-  per SM and ranges at least `min_k` long: by default `_MIN_SPLIT_K`
-  (`_MIN_SPLIT_K_192_TILE` for 192-wide CTA tiles, `_MIN_SPLIT_K_WIDE_TILE`
-  for wider ones)."""
-  k_steps = problem.k // config.tile_k
+  """1, and each split of K into ranges of whole K steps
+  (`TuningConfig.split_k_steps`: the last range may end past K) that keeps
+  one work item per SM, leaves no range wholly past K, and makes ranges at
+  least `min_k` long: by default `_MIN_SPLIT_K` (`_MIN_SPLIT_K_192_TILE` for
+  192-wide CTA tiles, `_MIN_SPLIT_K_WIDE_TILE` for wider ones).
+
+  The ranges need not divide K's steps. Where only even divisions were
+  offered, a K of a prime count of steps (K = 4544: 71) could not be split,
+  and others only into too few ranges to fill the SMs. With uneven ranges,
+  on an H200 (bf16): 1x4544x4544 19.1 -> 14.7 us (3 ranges), 16x5120x5120
+  17.7 -> 15.3 (3 for 2), 64x3584x4608 10.9 -> 9.5 (3 for 2). Of the 15
+  problems whose choice changed (12 of the suites, 3 of the tests), 10 ran
+  1-30% faster, 2 level, and 3 slower: 1x3072x3072 by 5% (7.9 against 7.5
+  us), 16x11008x4096 by 3.5% (5 ranges for 4), 1x18176x4544 by 1%
+  (perf/2026-12-04-h200-full-wave-tiles-and-uneven-splits.json)."""
+  k_steps = -(-problem.k // config.tile_k)
   num_tiles = _num_tiles(problem, config)
   if min_k is None:
     if config.cta_tile_n <= 128:
@@ -226,8 +246,9 @@ def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig,
       min_k = _MIN_SPLIT_K_WIDE_TILE
   yield 1
   for splits in range(2, k_steps + 1):
-    if (k_steps % splits == 0 and num_tiles * splits <= device_facts().sm_count
-        and problem.k // splits >= min_k):
+    range_steps = -(-k_steps // splits)
+    if ((splits - 1) * range_steps < k_steps and num_tiles * splits <= device_facts().sm_count
+        and range_steps * config.tile_k >= min_k):
       yield splits
 
 
@@ -260,7 +281,9 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   """
   m, k, n = problem.m, problem.k, problem.n
   waves = -(-_num_tiles(problem, config) * splits // device_facts().sm_count)
-  compute_us = waves * (config.cta_tile_m * config.cta_tile_n * (k // splits) * tile_cost
+  # Every range runs as many K steps as the longest, past K if need be.
+  range_k = dataclasses.replace(config, k_splits=splits).split_k_steps(k) * config.tile_k
+  compute_us = waves * (config.cta_tile_m * config.cta_tile_n * range_k * tile_cost
                         / _SM_MACS_PER_US + _WORK_ITEM_US)
   partial_bytes = splits * m * n * 4 if splits > 1 else 0
   output_bytes = partial_bytes or m * n * problem.dtype.itemsize
@@ -476,13 +499,15 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
 
   The sweeps on an H200 (docs/performance-log.md, "Sweeps") favour a 128x256 CTA tile made of two
   64x256 warpgroup tiles (the widest wgmma) split along M, 3-4 stages and
-  64x128 epilogue tiles. The ping-pong schedule's 128x192 tile replaces it
+  64x128 epilogue tiles. A cooperative 128x192 or 128x128 tile replaces it
+  where its last wave leaves enough fewer SMs idle for its cost per
+  multiply-add (`_TILE_192_COST`, `_FULL_WAVE_TILES`; 4999x4096x2500:
+  128x192, 5.6% faster; 2048x4096x5120: 128x128, 9% faster than ping-pong).
+  The ping-pong schedule's 128x192 tile replaces the cooperative choice
   where it leaves the busiest SM no more output, or at most 5% more where
   K <= 2048 and the epilogue it hides is a larger share of the time
   (16384x1024x8192: 6.5% faster than 128x256; 8192x4096x28672, (K, M) LHS:
-  9% faster). Otherwise a cooperative
-  128x192 tile replaces 128x256 where its last wave leaves enough fewer SMs
-  idle (`_TILE_192_COST`; 4999x4096x2500: 5.6% faster).
+  9% faster).
 
   Problems with too few 128x256 tiles to fill the SMs get the CTA tile and
   split of K (`TuningConfig.k_splits`) with the least modelled time
@@ -491,11 +516,13 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   (0.88 of cuBLAS, where the unsplit 64x128 tile ran at 0.41); at
   128x8192x8192, which streams 128 MB of RHS from HBM, 128x128 tiles in 2
   ranges, since each split adds float32 partials to that traffic (1.13x
-  faster than 128x256 tiles in 4). CTA tiles up to 128 wide may split K into
-  ranges as short as 512 (128x32768x128: 64 ranges, 1.32x cuBLAS), 192-wide
-  ones into ranges of 1024 (333x4096x2048: 4 ranges, 7% faster than unsplit
-  64x128 tiles), wider ones into ranges of 2048 or more. Decode-size M (64
-  rows or fewer) goes through this model even where 128x256 tiles would fill
+  faster than 128x256 tiles in 4). The ranges need not divide K's steps
+  (1x4544x4544, 71 steps: in 3 ranges, 1.3x faster than unsplit). CTA
+  tiles up to 128 wide may split K into ranges as short as 512
+  (128x32768x128: 64 ranges, 1.32x cuBLAS), 192-wide ones into ranges of
+  1024 (333x4096x2048: 4 ranges, 7% faster than unsplit 64x128 tiles),
+  wider ones into ranges of 2048 or more. Decode-size M (64 rows or fewer)
+  goes through this model even where 128x256 tiles would fill
   a wave, and may also take a 64x256 tile, in K ranges up to 16 rows
   (16x8192x8192: in 4 ranges, 1.03x cuBLAS), unsplit up to 64
   (16x8192x57344: 0.92x cuBLAS, where 128x256 tiles ran at 0.70x). Up to 16
@@ -600,25 +627,28 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
   problem = operands.pad_k(problem, _HEURISTIC_TILE_K)
   if problem.n <= _NARROW_MAX_N:
     return _narrow_config(problem, out_dtype)
-  (largest, _), (wide, wide_cost), *_ = _HEURISTIC_TILES
+  (largest, _), *_ = _HEURISTIC_TILES
   if (_num_tiles(problem, largest) >= device_facts().sm_count
       and problem.m > _SMALL_TILE.cta_tile_m):
     # At least one full wave of the largest tile: its efficiency wins, unless
-    # the 128x192 tile's last wave leaves enough fewer SMs idle. Not at M of
+    # the 128x192 or 128x128 tile's last wave leaves enough fewer SMs idle
+    # for its cost per multiply-add (`_FULL_WAVE_TILES`). Not at M of
     # one 64-row tile or less, where 128-row tiles compute half their rows or
     # more past M and the weights' stream sets the time: there the model below
     # weighs 64-row tiles too (16x8192x57344 and 16x8192x128256, bf16:
     # 128x256 tiles ran at 0.68x and 0.73x jnp.dot, the decode tile at 0.95x
     # and 0.98x; docs/performance-log.md, "Decode and LoRA sizes of the models
     # suite's fit half").
-    tiles = min((largest, wide), key=lambda t: _waves_cost(
-        problem, t, 1.0 if t is largest else wide_cost))
+    # min() keeps the first (largest) of equal costs.
+    tiles, tiles_cost = min(((t, _waves_cost(problem, t, cost))
+                             for t, cost in _HEURISTIC_TILES[:_FULL_WAVE_TILES]),
+                            key=lambda option: option[1])
     splits = 1
     pingpong = _PINGPONG_CONFIG
     max_extra_work = (_PINGPONG_SHORT_K_MAX_EXTRA_WORK if problem.k <= _PINGPONG_SHORT_K
                       else _PINGPONG_MAX_EXTRA_WORK)
     if (not cooperative_only
-        and _waves_cost(problem, pingpong) <= max_extra_work * _waves_cost(problem, largest)
+        and _waves_cost(problem, pingpong) <= max_extra_work * tiles_cost
         and kernel_call.ws_smem_budget(pingpong, problem, out_dtype,
                                      has_bias=True).fits()):
       return pingpong
