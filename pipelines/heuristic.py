@@ -232,7 +232,7 @@ def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig,
   on an H200 (bf16): 1x4544x4544 19.1 -> 14.7 us (3 ranges), 16x5120x5120
   17.7 -> 15.3 (3 for 2), 64x3584x4608 10.9 -> 9.5 (3 for 2). Of the 15
   problems whose choice changed (12 of the suites, 3 of the tests), 10 ran
-  1-30% faster, 2 level, and 3 slower: 1x3072x3072 by 5% (7.9 against 7.5
+  1-30% faster, 2 level, and 3 slower: 1x3072x3072 by 4% (7.9 against 7.5
   us), 16x11008x4096 by 3.5% (5 ranges for 4), 1x18176x4544 by 1%
   (perf/2026-12-04-h200-full-wave-tiles-and-uneven-splits.json)."""
   k_steps = -(-problem.k // config.tile_k)
