@@ -11,6 +11,7 @@ import collectives
 from collectives import collective_test_base, portable, sharding
 from core import testing
 from pipelines import matmul_reference
+from pipelines.operands import OperandLayout
 
 XLA_RINGS = dict(all_gather=portable.ring_all_gather_matmul,
                  reduce_scatter=portable.xla_ring_matmul_reduce_scatter)
@@ -135,6 +136,32 @@ class XlaRingOverlapTest(parameterized.TestCase):
     self.assertLen(dots, 2, "\n".join(dots))
     self.assertTrue(any("collective-permute-start" in line for line in entry),
                     "the ring's transfer is not asynchronous")
+
+
+class XlaMatmulTest(parameterized.TestCase):
+  """`xla_matmul`, the XLA paths' local product (the rings' per-step dots too)."""
+
+  @parameterized.parameters((False, False), (True, False), (False, True), (True, True))
+  def test_product_in_the_operand_dtype_is_the_dots_own(self, transpose_lhs, transpose_rhs):
+    """As `jnp.dot` runs: a float32 product cast to bf16 makes cuBLAS write
+    twice the bytes and XLA add a conversion pass. Another output dtype takes
+    the float32 product, rounded once."""
+    m, k, n = 16, 32, 48
+    lhs = testing.random_array(60, (k, m) if transpose_lhs else (m, k), jnp.bfloat16)
+    rhs = testing.random_array(61, (n, k) if transpose_rhs else (k, n), jnp.bfloat16)
+    bf16, f32, f16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
+    for out_dtype, dot_dtypes in ((bf16, (bf16, bf16, bf16)), (f16, (bf16, bf16, f32)),
+                                  (f32, (bf16, bf16, f32))):
+      def product(a, b, out_dtype=out_dtype):
+        return portable.xla_matmul(a, b, out_dtype=out_dtype, transpose_lhs=transpose_lhs,
+                                   transpose_rhs=transpose_rhs)
+      self.assertEqual(testing.dot_dtypes(product, lhs, rhs), [dot_dtypes], out_dtype)
+      want = matmul_reference(lhs, rhs, layout=OperandLayout(transpose_lhs=transpose_lhs,
+                                                             transpose_rhs=transpose_rhs))
+      got = product(lhs, rhs)
+      self.assertEqual((got.shape, got.dtype), ((m, n), out_dtype))
+      self.assertLess(float(jnp.max(jnp.abs(got.astype(f32) - want))), 0.05 * float(
+          jnp.max(jnp.abs(want))))
 
 
 class ValidationTest(parameterized.TestCase):

@@ -91,6 +91,15 @@ def output_bytes(fn, *args, **kwargs) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(outs))
 
 
+def dot_dtypes(fn, *args) -> list[tuple]:
+  """The dtypes (lhs, rhs, output) of each `dot_general` in `fn(*args)`'s
+  top-level jaxpr, in order: whether an XLA baseline or path writes its
+  products in the operand dtype, as `jnp.dot` does, or asks for float32."""
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  return [tuple(v.aval.dtype for v in (*eqn.invars, *eqn.outvars))
+          for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
+
+
 @contextlib.contextmanager
 def facts_of_the_fitted_gpu():
   """Inside the block every GPU has the facts of an H100 SXM or H200 (`HOPPER_DEFAULTS`).

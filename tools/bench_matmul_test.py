@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest, flagsaver, parameterized
 
+from core import testing
 from pipelines import TuningConfig
 from pipelines.matmul import choose_config
 from pipelines.operands import MatmulProblem, OperandLayout
@@ -14,10 +15,6 @@ from tools import bench_matmul, report
 
 LAYOUTS = {name: OperandLayout(transpose_lhs=name[0] == "T", transpose_rhs=name[1] == "T")
            for name in ("NN", "TN", "NT", "TT")}
-
-
-def _dots(jaxpr) -> list:
-  return [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"]
 
 
 class BaselineTest(parameterized.TestCase):
@@ -51,11 +48,7 @@ class BaselineTest(parameterized.TestCase):
       out, vjp = jax.vjp(bench_matmul.xla_gelu_layer, a, b, c)
       return vjp(jnp.ones_like(out))
 
-    dots = _dots(jax.make_jaxpr(step)(lhs, rhs, bias).jaxpr)
-    self.assertLen(dots, 3)
-    for eqn in dots:
-      self.assertEqual([v.aval.dtype for v in (*eqn.invars, *eqn.outvars)],
-                       [jnp.bfloat16] * 3, eqn)
+    self.assertEqual(testing.dot_dtypes(step, lhs, rhs, bias), [(jnp.bfloat16,) * 3] * 3)
 
 
 EXTRA_CONFIG = "tile_m=64,tile_n=128,max_concurrent_steps=3"
