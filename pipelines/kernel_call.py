@@ -222,8 +222,8 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   TMA needs are zero-padded (`operands.tma_sizes`), which copies the
   operand: a major dimension to a multiple of 8; a minor one off 128 bytes
   to a multiple of 128 bytes, unless the kernel reading it in place with a
-  narrower swizzle is modelled faster (never where it is off 32 bytes); with
-  `config.k_splits` > 1, K to a multiple of `config.tile_k * config.k_splits`.
+  narrower swizzle is modelled faster (never where it is off 32 bytes). K
+  never is: a split K's last range may end past it (`TuningConfig.split_k_steps`).
   Arrays whose tiles are one swizzle segment wide (the (M, K) LHS under
   64-element float16 K steps, a (K, N) RHS under 64-column warpgroup tiles,
   a 16-bit output under 64-column epilogue tiles) are copied as 2D boxes,
