@@ -37,6 +37,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import accumulator, barrier, tile_transforms
 from pipelines.config import (
+  FP8_DTYPE,
+  FP8_SCALE_BLOCK,
   NUM_COMPUTE_WGS,
   MatmulDimension,
   Schedule,
@@ -190,7 +192,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                             addend_gmem=None, pre_activation_gmem=None, up_gmem=None,
                             up_product_gmem=None, group_tiles: GroupTiles | None = None,
                             group_rows: GroupRows | None = None,
-                            derivative_gmem=None, column_scales_gmem=None) -> None:
+                            derivative_gmem=None, column_scales_gmem=None,
+                            out_scales_gmem=None) -> None:
   """Emits `out_gmem = epilogue(lhs_gmem @ rhs_gmem + addend_gmem + bias_gmem)` inside a kernel.
 
   With `up_gmem`, the gated unit instead: `out_gmem = epilogue(lhs_gmem @
@@ -266,6 +269,12 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       is multiplied by its scale before the addend, bias and activation (an
       FP8 product's dequantization). Needs k_splits = 1, and no gate or
       grouped matmul.
+    out_scales_gmem: for an e4m3 `out_gmem` (the output quantized in the
+      epilogue, one float32 scale per row and 128 columns, as `quantize_fp8`
+      has them), their (N / 128, M) float32 ref, stored transposed and
+      holding whole CTA tiles. Needs epilogue tiles of 128 columns,
+      k_splits = 1, no cluster, and nothing else stored or fused but the
+      bias, activation and column scales; None otherwise.
   """
   if config.schedule != Schedule.COOPERATIVE:
     raise ValueError(f"emit_cooperative_matmul runs the cooperative schedule; got "
@@ -289,6 +298,17 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
                      "addend, kept outputs and pipeline_callback belong to the caller")
   grouped = group_tiles is not None
   ragged_k = group_rows is not None
+  quantized = out_scales_gmem is not None
+  if quantized != (out_gmem.dtype == FP8_DTYPE):
+    raise ValueError(f"out_scales_gmem must be given exactly for an e4m3 output; got "
+                     f"{out_gmem.dtype=} and {'an' if quantized else 'no'} out_scales_gmem")
+  if quantized and (config.epi_tile_n != FP8_SCALE_BLOCK or k_splits != 1
+                    or config.cluster_m != 1 or grouped or ragged_k or gated
+                    or pipeline_callback is not None or addend_gmem is not None
+                    or pre_activation_gmem is not None or derivative_gmem is not None):
+    raise ValueError(f"an output quantized in the epilogue needs epi_tile_n="
+                     f"{FP8_SCALE_BLOCK}, k_splits=1, cluster_m=1 and no other output, "
+                     f"addend, gate, grouped matmul or pipeline_callback; got {config!r}")
   if ragged_k and (grouped or config.cluster_m != 1 or k_splits != 1 or gated
                    or not layout.transpose_lhs or layout.transpose_rhs
                    or config.wg_dimension != MatmulDimension.M or epilogue != Epilogue()
@@ -343,7 +363,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes=WG_AXIS)
   def _scope(pipeline_allocs, out_smem, tile_drained=None, bias_smem=None, bias_loaded=None,
-             rows_smem=None, column_scales_smem=None, column_scales_loaded=None):
+             rows_smem=None, column_scales_smem=None, column_scales_loaded=None,
+             out_scales_smem=None):
     wg = lax.axis_index(WG_AXIS)
 
     def work_item(split, m_tile, n_tile, _):
@@ -389,6 +410,15 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
       else:
         split_out = out_gmem.at[group] if ragged_k else out_gmem
       wg_out = split_out.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
+      wg_out_scales = None
+      if quantized:
+        # One row of scales per 128 of the warpgroup's columns (tile_n is
+        # a multiple of them, and so is every CTA tile's first column).
+        wg_first_column = n_tile * cta_n + (
+            wg * tile_n if config.wg_dimension == MatmulDimension.N else 0)
+        wg_out_scales = out_scales_gmem.at[
+            pl.ds(wg_first_column // FP8_SCALE_BLOCK, tile_n // FP8_SCALE_BLOCK),
+            cta_m_slice].at[:, wg_m_slice]
       wg_addend, wg_pre_activation, wg_up_product, wg_derivative = (
           None if gmem is None else gmem.at[cta_m_slice, cta_n_slice].at[wg_m_slice, wg_n_slice]
           for gmem in (addend_gmem, pre_activation_gmem, up_product_gmem, derivative_gmem))
@@ -460,7 +490,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
             with jax.named_scope("epilogue"):
               store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue,
                              wg_addend, wg_pre_activation, up_blocks, wg_up_product,
-                             wg_rows, rows_smem, wg_derivative, column_scales_smem)
+                             wg_rows, rows_smem, wg_derivative, column_scales_smem,
+                             wg_out_scales=wg_out_scales, out_scales_smem=out_scales_smem)
           if stores is None:
             run_epilogue()
           else:

@@ -21,7 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import barrier, smem, tma_swizzle
-from pipelines.config import NUM_COMPUTE_WGS
+from pipelines.config import FP8_DTYPE, FP8_SCALE_BLOCK, NUM_COMPUTE_WGS
+from pipelines.fp8_quantize import block_scales
 
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
 # The bias reaches the kernel and the split-K sum in float32, whatever its
@@ -175,10 +176,16 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
   likewise `column_scales_smem` and `column_scales_loaded`; with `partial_rows` also
   `rows_smem`, (2, epi_tile_m, `partial_rows_width`) plain (unswizzled) staging tiles
   for the sub-tiles of which only some rows are stored (`store_epilogue`'s
-  `row_range`).
+  `row_range`). With an e4m3 `out_dtype` (the output quantized in the
+  epilogue, `store_epilogue`'s `wg_out_scales`) also `out_scales_smem`, (2,
+  config.epilogue_slots, 1, epi_tile_m) float32 staging rows of each
+  sub-tile's scales.
   """
   scratch = dict(out_smem=smem((NUM_COMPUTE_WGS, config.epilogue_slots, config.epi_tile_m,
                                 config.epi_tile_n), out_dtype, swizzled=True, swizzle=swizzle))
+  if jnp.dtype(out_dtype) == FP8_DTYPE:
+    scratch["out_scales_smem"] = smem((NUM_COMPUTE_WGS, config.epilogue_slots, 1,
+                                       config.epi_tile_m), jnp.float32)
   if has_bias:
     scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), BIAS_DTYPE)
     scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
@@ -242,7 +249,8 @@ def _store_rows(x, first: jax.Array, end: jax.Array, rows_smem, gmem_tile) -> No
 def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue: Epilogue,
                    wg_addend=None, wg_pre_activation=None, up_blocks=None,
                    wg_up_product=None, row_range=None, rows_smem=None,
-                   wg_derivative=None, column_scales_smem=None) -> None:
+                   wg_derivative=None, column_scales_smem=None, wg_out_scales=None,
+                   out_scales_smem=None) -> None:
   """Applies `epilogue` to a compute warpgroup's accumulator and stores it with TMA.
 
   Runs in compute warpgroup `wg` of a matmul kernel, after its K loop.
@@ -289,13 +297,21 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
       matmul's other groups), so they are not written at all: the sub-tiles
       that hold some of each go out through `rows_smem` (`epilogue_scratch`'s,
       this warpgroup's), and those with none of the range are skipped.
+    wg_out_scales: for an e4m3 output quantized here, the (tile_n / 128,
+      tile_m) float32 GMEM ref of the tile's scales, stored transposed (one
+      row per 128 columns; `out_smem` is then e4m3 and the epilogue tiles are
+      128 columns wide): each sub-tile row's 128 values are divided by their
+      scale, their largest magnitude over e4m3's largest value
+      (`fp8_quantize.block_scales`, as `quantize_fp8` has it), and stored
+      with it. None otherwise.
+    out_scales_smem: `epilogue_scratch`'s staging rows for those scales.
   """
   epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
   n_sub = config.tile_n // epi_n
   block_n = config.tile_n // len(acc_blocks)
   slots = config.epilogue_slots
   stores_per_sub_tile = 1 + sum(gmem is not None for gmem in (wg_pre_activation, wg_up_product,
-                                                               wg_derivative))
+                                                               wg_derivative, wg_out_scales))
   num_stores = (config.tile_m // epi_m) * n_sub * stores_per_sub_tile
   store = 0
 
@@ -328,9 +344,17 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
     # loop, so that wait costs nothing.
     in_flight = 0 if store == 0 and num_stores % slots else slots - 1
     plgpu.wait_smem_to_gmem(in_flight, wait_read_only=True)
-    out_smem[wg, slot] = x.astype(out_smem.dtype)
+    if x.ndim == 1:
+      # A quantized sub-tile's scales (`wg_out_scales`): their own staging
+      # row. Counted as a store, so its slot is reused only once the store
+      # that last read it is done, as for the tiles.
+      staging = out_scales_smem.at[wg, slot]
+      staging[0, :] = x
+    else:
+      staging = out_smem.at[wg, slot]
+      staging[...] = x.astype(out_smem.dtype)
     plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
-    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], gmem_tile)
+    plgpu.copy_smem_to_gmem(staging, gmem_tile)
     store += 1
 
   def by_column(vector_smem, j, shape):
@@ -371,4 +395,9 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
         if wg_up_product is not None:
           stage_and_store(up, wg_up_product.at[sub_tile], sub_tile_rows)
         x = x * up
+      if wg_out_scales is not None:
+        scales = block_scales(jnp.max(jnp.abs(x), axis=1))
+        x = x / lax.broadcast_in_dim(scales, x.shape, (0,))
+        stage_and_store(scales, wg_out_scales.at[pl.ds(j * epi_n // FP8_SCALE_BLOCK, 1),
+                                                 pl.ds(i * epi_m, epi_m)])
       stage_and_store(x, wg_out.at[sub_tile], sub_tile_rows)

@@ -18,7 +18,14 @@ import jax.numpy as jnp
 from core import device_facts
 from core.memory import SWIZZLE_BYTES
 from pipelines import kernel_call, operands
-from pipelines.config import MatmulDimension, Schedule, TuningConfig, operand_swizzle
+from pipelines.config import (
+  FP8_DTYPE,
+  FP8_SCALE_BLOCK,
+  MatmulDimension,
+  Schedule,
+  TuningConfig,
+  operand_swizzle,
+)
 
 # The 128x192 CTA tile's relative time per multiply-add: from 0.94 to 1.07
 # in two problems where it left fewer SMs idle in the last wave than 128x256
@@ -579,6 +586,30 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
     if _padding_us(cooperative, problem, out_dtype) < _padding_us(config, problem, out_dtype):
       return cooperative
   return config
+
+
+def quantized_output_config(problem: operands.MatmulProblem) -> TuningConfig:
+  """A config for an output quantized to e4m3 in the epilogue
+  (`kernel_call.ws_matmul` with out_dtype float8_e4m3fn): `default_config`'s
+  cooperative choice for a 16-bit output, made one that can quantize. Its
+  warpgroups split M (so each one's columns start on a quantization block)
+  in tiles of 128 or, where that choice is wider than 128 columns, 256
+  columns; epilogue tiles of 128 columns (one block each); no split of K
+  nor cluster; then the deepest pipeline up to 6 stages that fits. Not
+  measured on a GPU yet: it reuses the measured choice of tile height and
+  width, not a fitted one.
+  """
+  base = default_config(problem, jnp.bfloat16, cooperative_only=True)
+  tiles = TuningConfig(tile_m=64, tile_n=256 if base.cta_tile_n > 128 else 128,
+                       tile_k=base.tile_k, wg_dimension=MatmulDimension.M,
+                       epi_tile_n=FP8_SCALE_BLOCK, grid_minor_dim=base.grid_minor_dim,
+                       grid_tile_width=base.grid_tile_width)
+  padded = operands.pad_k(problem, tiles.tile_k)
+  for steps in range(6, 1, -1):
+    config = dataclasses.replace(tiles, max_concurrent_steps=steps)
+    if kernel_call.ws_smem_budget(config, padded, FP8_DTYPE, has_bias=True).fits():
+      return config
+  raise AssertionError("unreachable: two stages of 128x256 tiles always fit")
 
 
 def _finished_config(problem: operands.MatmulProblem, out_dtype, *,

@@ -30,6 +30,7 @@ from core.varying import vary_over, varying_axes, varying_kernel
 from pipelines import operands
 from pipelines.config import (
   FP8_DTYPE,
+  FP8_SCALE_BLOCK,
   NUM_COMPUTE_WGS,
   OPERAND_DTYPES,
   Fp8Config,
@@ -53,7 +54,7 @@ from pipelines.epilogue import (
   kept_derivative,
 )
 from pipelines.fp8_matmul_sm90 import emit_fp8_matmul, emit_fp8_matmul_warp_specialized
-from pipelines.fp8_quantize import ROW_BLOCK, quantize_fp8
+from pipelines.fp8_quantize import ROW_BLOCK, quantize_fp8, scales_shape
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
@@ -102,8 +103,16 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   which needs what `grouped` does and wg_dimension M (each warpgroup zeroes
   the rows of other groups in its own LHS columns). `has_column_scales`: the
   epilogue scales the columns (`ws_matmul`'s `column_scales`), which needs
-  the cooperative schedule without a split of K.
+  the cooperative schedule without a split of K. An e4m3 `out_dtype` (the
+  output quantized in the epilogue) needs that too, 128-column epilogue
+  tiles (one quantization block each) and no cluster.
   """
+  if jnp.dtype(out_dtype) == FP8_DTYPE and (
+      config.schedule != Schedule.COOPERATIVE or config.k_splits != 1
+      or config.epi_tile_n != FP8_SCALE_BLOCK or config.cluster_m != 1):
+    raise ValueError(f"{config!r}: an output quantized to float8_e4m3fn needs "
+                     f"schedule=Schedule.COOPERATIVE, k_splits=1, cluster_m=1 and "
+                     f"epi_tile_n={FP8_SCALE_BLOCK} (one quantization block)")
   if has_column_scales and (config.schedule != Schedule.COOPERATIVE or config.k_splits != 1):
     raise ValueError(f"{config!r}: column scales need schedule=Schedule.COOPERATIVE and "
                      "k_splits=1")
@@ -239,6 +248,10 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
     epilogue: activation; `epilogue.has_bias` must match `bias`. Fused into the
       kernel, or with `config.k_splits` > 1 into the XLA sum of the partials.
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+      Or float8_e4m3fn: the output quantized in the epilogue in (1, 128)
+      blocks, as `quantize_fp8` quantizes (config with 128-column epilogue
+      tiles, the cooperative schedule and k_splits = 1; no
+      `keep_derivative`).
     layout: how lhs and rhs are stored (`operands.OperandLayout`).
     keep_derivative: also return the activation's derivative at the
       pre-activation `op(lhs) @ op(rhs) + bias` (what a backward pass
@@ -253,14 +266,21 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
 
   Returns:
     (M, N) array of `out_dtype`, accumulated in float32; with
-    `keep_derivative`, a pair (output, (M, N) derivative).
+    `keep_derivative`, a pair (output, (M, N) derivative); for float8_e4m3fn,
+    a pair (values (M, N), scales (M, ceil(N / 128)) float32).
   """
   if (bias is not None) != epilogue.has_bias:
     raise ValueError(f"bias is {'given' if bias is not None else 'missing'} but "
                      f"epilogue.has_bias={epilogue.has_bias}")
   scaled = column_scales is not None
-  problem, out_dtype, bias = _check_call(lhs, rhs, bias, out_dtype, layout,
+  quantized = out_dtype is not None and jnp.dtype(out_dtype) == FP8_DTYPE
+  if quantized and keep_derivative:
+    raise ValueError("keep_derivative needs a 16- or 32-bit out_dtype, not float8_e4m3fn")
+  problem, out_dtype, bias = _check_call(lhs, rhs, bias, None if quantized else out_dtype,
+                                         layout,
                                          (*OPERAND_DTYPES, FP8_DTYPE) if scaled else OPERAND_DTYPES)
+  if quantized:
+    out_dtype = FP8_DTYPE
   if problem.dtype == FP8_DTYPE and (layout.transpose_lhs or not layout.transpose_rhs):
     raise ValueError(f"float8_e4m3fn operands must be stored (M, K) and (N, K) "
                      f"(OperandLayout(transpose_rhs=True)), got {layout=}")
@@ -271,6 +291,9 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype,
                   has_bias=bias is not None, has_column_scales=scaled)
   if problem.is_empty:
+    if quantized:
+      return quantize_fp8(empty_result(problem, jnp.float32, (lhs, rhs), bias, epilogue),
+                          ROW_BLOCK)
     out = empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
     if not keep_derivative:
       return out
@@ -288,23 +311,32 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
           else emit_cooperative_matmul)
 
   kernel_keeps_derivative = keep_derivative and config.fuses_epilogue
-  num_outputs = 2 if kernel_keeps_derivative else 1
+  num_outputs = 2 if kernel_keeps_derivative or quantized else 1
 
   def body(lhs_gmem, rhs_gmem, *rest):
-    inputs, (out_gmem, *derivative_gmem) = rest[:-num_outputs], rest[-num_outputs:]
+    inputs, (out_gmem, *second_gmem) = rest[:-num_outputs], rest[-num_outputs:]
     bias_gmem = inputs[:kernel_bias is not None]
-    scales = dict(column_scales_gmem=inputs[-1]) if scaled else {}
+    extra = dict(column_scales_gmem=inputs[-1]) if scaled else {}
+    if second_gmem:
+      extra["out_scales_gmem" if quantized else "derivative_gmem"] = second_gmem[0]
     emit(lhs_gmem, rhs_gmem, out_gmem, *bias_gmem, config=config, epilogue=kernel_epilogue,
-         layout=layout, derivative_gmem=derivative_gmem[0] if derivative_gmem else None,
-         **scales)
+         layout=layout, **extra)
 
   splits = (config.k_splits,) if config.k_splits > 1 else ()
   work_items = num_work_items(config, pl.cdiv(padded_m, config.cta_tile_m),
                               pl.cdiv(padded_n, config.cta_tile_n))
   clusters = min(device_facts().sm_count // config.cluster_m, work_items)
   out_type = jax.ShapeDtypeStruct((*splits, padded_m, padded_n), store_dtype)
+  out_types = (out_type,) * num_outputs
+  if quantized:
+    # One scale per row and 128 columns, stored transposed (each sub-tile's
+    # scales are one contiguous row), over whole CTA tiles so that no
+    # store of them reaches past the array.
+    out_types = (out_type, jax.ShapeDtypeStruct(
+        (operands.round_up(padded_n, config.cta_tile_n) // FP8_SCALE_BLOCK,
+         operands.round_up(padded_m, config.cta_tile_m)), jnp.float32))
   kernel = persistent_kernel(
-      body, out_type=(out_type,) * num_outputs,
+      body, out_type=out_types,
       num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
       name=f"ws_matmul_{config.schedule.value}_{layout.name}")
   outs = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)),
@@ -316,6 +348,9 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
     out, derivative = epilogue.apply_and_derivative(pre_activation)
     outs = (out.astype(out_dtype),
             *((derivative.astype(derivative_dtype(out_dtype)),) if keep_derivative else ()))
+  elif quantized:
+    values, scales = outs
+    return values[:m, :n], scales.T[:m, :scales_shape((m, n), ROW_BLOCK)[1]]
   else:
     outs = tuple(out if out.shape == (m, n) else out[:m, :n] for out in outs)
     if keep_derivative:

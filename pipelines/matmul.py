@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from core.varying import cotangent_like
 from pipelines import kernel_call, operands, tuning_cache
 from pipelines.batching import batch_as_rows
-from pipelines.config import TuningConfig
+from pipelines.config import FP8_DTYPE, TuningConfig
 from pipelines.epilogue import Epilogue
-from pipelines.heuristic import default_config
+from pipelines.heuristic import default_config, quantized_output_config
 
 CACHE_MISS_MODES = ("heuristic", "tune", "error")
 
@@ -56,6 +56,12 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       activation.
     activation: "none", "relu", "gelu" (tanh approximation) or "silu".
     out_dtype: float16, bfloat16 or float32; the operand dtype by default.
+      Or float8_e4m3fn: the output quantized in the epilogue, one float32
+      scale per row and 128 columns (each block's largest magnitude over
+      e4m3's largest value, as `quantize_fp8(out, (1, 128))` has them), ready
+      to be the LHS of `fp8_matmul` with no pass of its own. Its config is
+      `heuristic.quantized_output_config` (the tuning cache holds none), and
+      it is not differentiable.
     transpose_lhs, transpose_rhs: the operand is stored transposed and used
       as `lhs.T` / `rhs.T`. The kernel reads it as stored (no transpose copy
       in HBM), so `x.T @ y` and `x @ y.T` cost what `x @ y` does.
@@ -86,20 +92,48 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   Forward-mode differentiation (`jax.jvp`) is not supported.
 
   Returns:
-    (M, N) array of `out_dtype`. Under `jax.vmap`, a batched `lhs` with an
+    (M, N) array of `out_dtype`; for float8_e4m3fn, (values (M, N), scales
+    (M, ceil(N / 128)) float32). Under `jax.vmap`, a batched `lhs` with an
     unbatched `rhs` runs as one (B*M, K) matmul (for an (M, K) lhs); other
     batchings loop.
   """
   layout = operands.OperandLayout(transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs)
   problem = operands.check_operands(lhs, rhs, layout)
+  epilogue = Epilogue(activation=activation, has_bias=bias is not None)
+  if out_dtype is not None and jnp.dtype(out_dtype) == FP8_DTYPE:
+    if config is None:
+      config = quantized_output_config(problem)
+    return _make_quantized(config, epilogue, layout)(lhs, rhs, bias)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   if config is None and problem.is_empty:
     # Nothing to tune or launch: `ws_matmul` returns without a kernel.
     config = default_config(problem, out_dtype)
   if config is None:
     config = choose_config(problem, out_dtype, on_cache_miss=on_cache_miss, lhs=lhs, rhs=rhs)
-  epilogue = Epilogue(activation=activation, has_bias=bias is not None)
   return _make_differentiable(config, epilogue, out_dtype, layout)(lhs, rhs, bias)
+
+
+@functools.cache
+def _make_quantized(config: TuningConfig, epilogue: Epilogue, layout: operands.OperandLayout):
+  """(values, scales) of an output quantized to e4m3 in the epilogue; its
+  gradient is an error, not a silent zero."""
+  run = _make_batchable(config, epilogue, FP8_DTYPE, layout)
+
+  @jax.custom_vjp
+  def quantized(lhs, rhs, bias):
+    return run(lhs, rhs, bias)
+
+  def forward(lhs, rhs, bias):
+    return quantized(lhs, rhs, bias), None
+
+  def backward(residuals, cotangents):
+    del residuals, cotangents
+    raise TypeError("matmul with out_dtype=float8_e4m3fn is not differentiable (its output "
+                    "is quantized); differentiate a 16- or 32-bit matmul, or use "
+                    "pipelines.fp8_linear for an FP8 layer")
+
+  quantized.defvjp(forward, backward)
+  return quantized
 
 
 @functools.cache
