@@ -24,6 +24,11 @@ turns for `--rounds` rounds in the same process:
                           multiplied by `jnp.dot`: what JAX users do today
 and, with `--train`, a layer's forward + backward from a bf16 cotangent:
 `fp8_linear` against `pipelines.matmul` and XLA's autodiff of `jnp.dot`.
+With `--quantized_output`, a bf16 product whose output is quantized for the
+next FP8 matmul, in (1, 128) blocks, against XLA's `jnp.dot` then
+`quantize_fp8` (the baseline of these rows):
+  ours: bf16, then quantize_fp8            `matmul`, then the XLA fusion
+  ours: bf16, quantized in the epilogue    `matmul(..., out_dtype=float8_e4m3fn)`
 Each record has the time, TFLOP/s, the ratio to `jnp.dot` (the median of the
 rounds' ratios, and their range) and the relative error against the float32
 product of the unquantized data (FP8's own rounding included).
@@ -57,6 +62,7 @@ from tools import cli, model_shapes, report
 
 BASELINE = "jnp.dot"
 TRAIN_BASELINE = "train: jnp.dot (XLA autodiff)"
+QUANTIZED_BASELINE = "quantized output: jnp.dot, then quantize_fp8"
 
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
                                "Where results go; relative to where the command ran.")
@@ -65,6 +71,8 @@ _MIN_M = flags.DEFINE_integer("min_m", 1024, "Fewest rows of a model-suite probl
 _ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed runs per implementation and round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds in which the implementations take turns.")
 _TRAIN = flags.DEFINE_bool("train", False, "Also time a layer's forward + backward.")
+_QUANTIZED_OUTPUT = flags.DEFINE_bool(
+    "quantized_output", False, "Also time a bf16 product whose output is quantized to e4m3.")
 _PRECISION = flags.DEFINE_bool("precision", False,
                                "Also measure the kernels' error at each K of --precision_k.")
 _PRECISION_K = flags.DEFINE_list("precision_k", ["128", "1024", "4096", "16384"],
@@ -135,8 +143,20 @@ def train_implementations() -> dict:
           "train: ours fp8_linear": step(fp8_linear)}
 
 
+def quantized_output_implementations() -> dict:
+  """{name: fn(x, w)}: x @ w in bf16 with its output quantized in (1, 128)
+  blocks, as (values, scales)."""
+  return {
+      QUANTIZED_BASELINE: lambda x, w: quantize_fp8(jnp.dot(x, w), ROW_BLOCK),
+      "quantized output: ours bf16, then quantize_fp8": lambda x, w: quantize_fp8(
+          matmul(x, w), ROW_BLOCK),
+      "quantized output: ours bf16, in the epilogue": functools.partial(
+          matmul, out_dtype=FP8_DTYPE),
+  }
+
+
 def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
-                  rounds: int) -> list[dict]:
+                  rounds: int, quantized_output: bool = False) -> list[dict]:
   x, w = cli.random_operands(m, k, n, jnp.bfloat16)
   shape = dict(shape=f"{m}x{k}x{n}", layout="NN")
   impls, operands = forward_implementations(x, w)
@@ -145,6 +165,11 @@ def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
   records = [dict(r, dtype="float8_e4m3fn", **shape) for r in timing.time_in_rounds(
       impls, (operands,), flops=2 * m * k * n, baseline=BASELINE, reference=exact,
       iterations=iterations, rounds=rounds).values()]
+  if quantized_output:
+    records += [dict(r, dtype="float8_e4m3fn", **shape) for r in timing.time_in_rounds(
+        quantized_output_implementations(), (x, w), flops=2 * m * k * n,
+        baseline=QUANTIZED_BASELINE, reference=quantize_fp8(exact, ROW_BLOCK),
+        iterations=iterations, rounds=rounds).values()]
   if train:
     cotangent = jax.random.normal(jax.random.key(2), (m, n), jnp.float32).astype(jnp.bfloat16)
     exact_grads = jax.vjp(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST),
@@ -200,7 +225,7 @@ def summary(records: list[dict]) -> list[str]:
   lines = []
   for name in dict.fromkeys(r["kernel"] for r in records):
     ratios = [r["ratio_to_dot"] for r in records if r["kernel"] == name and "ratio_to_dot" in r]
-    if ratios and name not in (BASELINE, TRAIN_BASELINE):
+    if ratios and name not in (BASELINE, TRAIN_BASELINE, QUANTIZED_BASELINE):
       lines.append(f"median ratio, {name}: {statistics.median(ratios):.3f} "
                    f"({len(ratios)} problems)")
   return lines
@@ -217,7 +242,7 @@ def main(argv):
   records = []
   for m, k, n in problems:
     records += bench_problem(m, k, n, train=_TRAIN.value, iterations=_ITERATIONS.value,
-                             rounds=_ROUNDS.value)
+                             rounds=_ROUNDS.value, quantized_output=_QUANTIZED_OUTPUT.value)
     report.write_json(path, records)  # After each problem, so a stopped run keeps them.
   if _PRECISION.value:
     records += precision_records([int(k) for k in _PRECISION_K.value])

@@ -7,6 +7,7 @@ from absl.testing import absltest
 
 from core import testing
 from core.numerics import relative_error
+from pipelines import dequantize_fp8
 from tools import bench_fp8 as bench
 
 # Every FP8 path rounds both operands to e4m3 (3 mantissa bits).
@@ -34,6 +35,21 @@ class ImplementationsTest(testing.KernelTestCase):
       out = self.run_kernel(jax.jit(fn), operands)
       self.assertEqual((out.shape, out.dtype), (exact.shape, jnp.dtype(jnp.bfloat16)), name)
       self.assertLess(relative_error(out, exact), FP8_TOLERANCE, name)
+
+  def test_each_quantized_output_is_the_quantized_product(self):
+    """(values, scales) in (1, 128) blocks of x @ w: each dequantized within
+    e4m3's rounding of the product."""
+    x, w = (testing.random_array(8, (128, 256), jnp.bfloat16),
+            testing.random_array(9, (256, 384), jnp.bfloat16))
+    exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+    impls = bench.quantized_output_implementations()
+    self.assertLen(impls, 3)
+    for name, fn in impls.items():
+      values, scales = self.run_kernel(jax.jit(fn), x, w)
+      self.assertEqual((values.dtype, scales.shape), (jnp.dtype(jnp.float8_e4m3fn), (128, 3)),
+                       name)
+      self.assertLess(relative_error(dequantize_fp8(values, scales), exact), FP8_TOLERANCE,
+                      name)
 
   def test_xla_per_tensor_multiplies_the_e4m3_operands(self):
     """XLA makes an FP8 GEMM of a dot whose operands are e4m3; operands
