@@ -68,6 +68,15 @@ class Schedule(enum.Enum):
     return f"Schedule.{self.name}"
 
 
+def k_range_steps(k: int, tile_k: int, k_splits: int) -> int:
+  """K steps in each of `k_splits` ranges of a K of `k` in steps of `tile_k`:
+  the K steps (the last may be partial) shared out, rounded up. The last
+  range may then end past K, where TMA reads zeros, so no K is padded for a
+  split: K = 4544 (71 steps of 64) splits into 4 ranges of 18 steps."""
+  k_steps = -(-k // tile_k)
+  return -(-k_steps // k_splits)
+
+
 def _check_positive_multiple(name: str, value: int, multiple: int) -> None:
   if not isinstance(value, int) or value <= 0 or value % multiple:
     raise ValueError(f"{name}={value!r} must be a positive multiple of {multiple}")
@@ -368,12 +377,8 @@ class TuningConfig:
     return self.schedule == Schedule.COOPERATIVE and self.wg_dimension == dimension
 
   def split_k_steps(self, k: int) -> int:
-    """K steps in each of the `k_splits` ranges of a K of `k`: the K steps
-    (the last may be partial) shared out, rounded up. The last range may
-    then end past K, where TMA reads zeros, so no K is padded for a split:
-    K = 4544 (71 steps of 64) splits into 4 ranges of 18 steps."""
-    k_steps = -(-k // self.tile_k)
-    return -(-k_steps // self.k_splits)
+    """K steps in each of the `k_splits` ranges of a K of `k` (`k_range_steps`)."""
+    return k_range_steps(k, self.tile_k, self.k_splits)
 
   def store_dtype(self, out_dtype) -> jnp.dtype:
     """What the kernel stores: `out_dtype`, or float32 partials when K is split."""

@@ -24,6 +24,7 @@ from pipelines.config import (
   MatmulDimension,
   Schedule,
   TuningConfig,
+  k_range_steps,
   operand_swizzle,
 )
 
@@ -242,7 +243,7 @@ def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig,
   1-30% faster, 2 level, and 3 slower: 1x3072x3072 by 4% (7.9 against 7.5
   us), 16x11008x4096 by 3.5% (5 ranges for 4), 1x18176x4544 by 1%
   (perf/2026-12-04-h200-full-wave-tiles-and-uneven-splits.json)."""
-  k_steps = -(-problem.k // config.tile_k)
+  k_steps = k_range_steps(problem.k, config.tile_k, 1)
   num_tiles = _num_tiles(problem, config)
   if min_k is None:
     if config.cta_tile_n <= 128:
@@ -253,7 +254,7 @@ def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig,
       min_k = _MIN_SPLIT_K_WIDE_TILE
   yield 1
   for splits in range(2, k_steps + 1):
-    range_steps = -(-k_steps // splits)
+    range_steps = k_range_steps(problem.k, config.tile_k, splits)
     if ((splits - 1) * range_steps < k_steps and num_tiles * splits <= device_facts().sm_count
         and range_steps * config.tile_k >= min_k):
       yield splits
@@ -289,7 +290,7 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   m, k, n = problem.m, problem.k, problem.n
   waves = -(-_num_tiles(problem, config) * splits // device_facts().sm_count)
   # Every range runs as many K steps as the longest, past K if need be.
-  range_k = dataclasses.replace(config, k_splits=splits).split_k_steps(k) * config.tile_k
+  range_k = k_range_steps(k, config.tile_k, splits) * config.tile_k
   compute_us = waves * (config.cta_tile_m * config.cta_tile_n * range_k * tile_cost
                         / _SM_MACS_PER_US + _WORK_ITEM_US)
   partial_bytes = splits * m * n * 4 if splits > 1 else 0
