@@ -86,6 +86,9 @@ class RaggedDotTest(testing.KernelTestCase):
       ("one_group_holds_every_row", dict(group_sizes=(0, 300, 0))),
       ("single_row_groups", dict(group_sizes=(1,) * 6, m=8)),
       ("groups_on_tile_edges", dict(group_sizes=(128, 64, 0, 108))),
+      # Tiles whose second warpgroup owns one row (row 64 of the window), and
+      # one whose second warpgroup owns none.
+      ("one_row_in_the_second_half", dict(group_sizes=(65, 64, 63, 1), m=200)),
       ("no_rows_in_groups", dict(group_sizes=(0, 0))),
       ("transposed_weights", dict(group_sizes=UNEVEN, transpose_rhs=True)),
       ("ragged_k_and_n", dict(group_sizes=(50, 90, 60), m=200, k=200, n=136)),
