@@ -99,7 +99,7 @@ MODELS = {
 # perf/2026-12-02-h200-training-layers.json): 268 s for the five layers at four of
 # these sizes with two passes, 10 iterations and 2 rounds, 16 s a layer and size,
 # the gated unit and the MLP block 23-27 s each. So the full default run (three
-# passes, 20 iterations, 3 rounds) takes well over ten minutes: where a run must
+# passes, 5 iterations, 6 rounds) takes well over ten minutes: where a run must
 # fit a time limit, give each run two or three of the sizes (`--sizes`). Most of it
 # is compiling, about 300 programs (per layer, size and implementation the three
 # passes and the backward's residuals), which share their kernels: Mosaic GPU
@@ -136,8 +136,13 @@ _LAYERS = flags.DEFINE_list(
 _IMPLS = flags.DEFINE_list("impls", list(IMPLEMENTATIONS),
                            "Implementations: " + ", ".join(IMPLEMENTATIONS) + ".")
 _PASSES = flags.DEFINE_list("passes", list(PASSES), "Passes: " + ", ".join(PASSES) + ".")
-_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed calls per implementation and round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds in which the implementations take turns.")
+# Short turns, many of them: at the 700 W cap an H200's clock moves by up to
+# 10% within seconds, so a long turn times one implementation at one clock and
+# the next at another (the 2026-12-04 runs of 10 calls in 2 rounds spread their
+# rounds' ratios over 0.88-0.97 where 5 calls in 6 rounds gave 0.99 on the same
+# step: docs/performance-log.md, "Training steps and the clock").
+_ITERATIONS = flags.DEFINE_integer("iterations", 5, "Timed calls per implementation and round.")
+_ROUNDS = flags.DEFINE_integer("rounds", 6, "Rounds in which the implementations take turns.")
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Tiny layers (" + ",".join(QUICK_SIZES) + ") unless --sizes is given, 2 "
     "iterations and 2 rounds unless given; runs without a GPU (interpret mode, wall clock).")
