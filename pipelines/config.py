@@ -123,6 +123,15 @@ class Fp8Config:
       warpgroup also issues the loads (`emit_fp8_matmul`). On an H200 the
       first ran 1.19-1.65x faster than the second, on 5 problems of 4096-8192
       rows (docs/performance-log.md, "FP8 on the H200").
+    persistent: with 2 compute warpgroups, one block per SM walks the output
+      tiles (`emit_fp8_matmul_persistent`: a tile's epilogue overlaps the
+      next tile's loads, and the tiles go in `matmul`'s swizzled order)
+      instead of one block per tile. None (the default) means True with 2
+      compute warpgroups and False with 1; it is resolved on construction.
+      On an H200 it ran 1.22x, 1.08x and 1.01x the one-block-per-tile grid at
+      8192x4096x14336, 8192^3 and 4096^3 and 0.985x at 8192x14336x4096
+      (docs/performance-log.md, "The block-scaled FP8 kernel on a persistent
+      grid").
   """
 
   TILE_M: ClassVar[int] = WGMMA_M
@@ -131,11 +140,23 @@ class Fp8Config:
 
   max_concurrent_steps: int = 4
   compute_wgs: int = NUM_COMPUTE_WGS
+  persistent: bool | None = None
 
   def __post_init__(self):
     self.pipeline  # Validates the depth.  # noqa: B018
     if self.compute_wgs not in (1, NUM_COMPUTE_WGS):
       raise ValueError(f"compute_wgs={self.compute_wgs!r} must be 1 or {NUM_COMPUTE_WGS}")
+    if self.persistent is None:  # Frozen: set the resolved default once, here.
+      object.__setattr__(self, "persistent", self.compute_wgs == NUM_COMPUTE_WGS)
+    if self.persistent and self.compute_wgs != NUM_COMPUTE_WGS:
+      raise ValueError(f"persistent=True needs compute_wgs={NUM_COMPUTE_WGS} (a memory "
+                       f"warpgroup), got compute_wgs={self.compute_wgs}")
+
+  @property
+  def tile_order(self) -> TuningConfig:
+    """The persistent kernel's tile order: `matmul`'s default (`for_each_work_item`
+    reads its grid order, band width, K splits and clusters)."""
+    return TuningConfig(tile_m=self.TILE_M, tile_n=self.TILE_N, tile_k=self.TILE_K)
 
   @property
   def cta_tile_m(self) -> int:
@@ -171,9 +192,24 @@ class Fp8Config:
       # own; one TMA-completion barrier per slot, one for the tile's constants.
       return SmemBudget(phases=((*slots, *tile_constants), (*tile_constants, *out_smem)),
                         num_barriers=steps + 1)
+    if self.persistent:
+      # Each compute warpgroup keeps its own copy of the tile's constants, each
+      # row padded to 128 bytes, with its own barrier.
+      tile_constants = [dataclasses.replace(
+          buffer, shape=(self.compute_wgs, self.constants_row_length(buffer.shape[0])))
+          for buffer in tile_constants]
+      return SmemBudget(phases=((*slots, *tile_constants, *out_smem),),
+                        num_barriers=2 * steps + self.compute_wgs)
     # Every warpgroup's staging tiles are allocated beside the pipeline; each
     # slot has a loaded and a consumed barrier.
     return SmemBudget(phases=((*slots, *tile_constants, *out_smem),), num_barriers=2 * steps + 1)
+
+  @staticmethod
+  def constants_row_length(length: int) -> int:
+    """A warpgroup's row of a tile's float32 constants in the persistent
+    kernel, padded to 128 bytes: a TMA copy's SMEM destination starts on 128
+    bytes, and each warpgroup's row is one."""
+    return -(-length // 32) * 32
 
   @staticmethod
   def scale_row_length(k_steps: int) -> int:

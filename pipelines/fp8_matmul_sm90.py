@@ -1,8 +1,12 @@
 """The block-scaled FP8 matmul (sm_90): the kernel body.
 
-A parallel grid of (`Fp8Config.TILE_M`, `Fp8Config.TILE_N`) output tiles
-(axes "m" and "n"), one warpgroup each, and a pipelined loop over K in steps
-of one scale block (`Fp8Config.TILE_K` = 128).
+Three bodies of one computation: (`Fp8Config.TILE_M`, `Fp8Config.TILE_N`)
+output tiles per compute warpgroup, and a pipelined loop over K in steps of
+one scale block (`Fp8Config.TILE_K` = 128). `emit_fp8_matmul` is a parallel
+grid of one-warpgroup tiles (axes "m" and "n");
+`emit_fp8_matmul_warp_specialized` the same grid of two-warpgroup tiles with
+a memory warpgroup; `emit_fp8_matmul_persistent` (the default) the
+two-warpgroup tiles walked by one block per SM.
 
 Hopper's FP8 wgmma accumulates in the tensor cores with fewer bits than
 float32, so a long K loses precision there. Each K step therefore runs its
@@ -24,7 +28,7 @@ from core import accumulator, barrier, smem, tile_transforms, tma_boxes
 from pipelines.config import NUM_COMPUTE_WGS, Fp8Config
 from pipelines.epilogue import Epilogue
 from pipelines.fp8_quantize import block_scales
-from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS
+from pipelines.persistent_sm90 import MEMORY_WG_REGISTERS, WG_AXIS, for_each_work_item
 from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS
 
 
@@ -133,22 +137,107 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
                     None if out_scales_smem is None else out_scales_smem.at[wg],
                     None if scales_row is None else scales_row.at[:, wg_rows])
 
-    plgpu.emit_pipeline_warp_specialized(
-        step,
-        grid=(k_steps,),
-        memory_registers=MEMORY_WG_REGISTERS,
-        in_specs=_operand_specs(cta_m, config, lhs_gmem.dtype),
-        wg_axis=WG_AXIS,
-        num_compute_wgs=NUM_COMPUTE_WGS,
-        max_concurrent_steps=config.pipeline.steps_for(k_steps),
-        compute_context=compute_context,
-    )(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
+    _warp_specialized_pipeline(step, compute_context, rows=cta_m, k_steps=k_steps,
+                               config=config, dtype=lhs_gmem.dtype)(
+        lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
 
   # Allocated once for all warpgroups of the block.
   pl.run_scoped(scoped, smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
                 **_tile_constants_scratch(rhs_scales_gmem, epilogue),
                 **_scales_scratch(out_scales_gmem, (NUM_COMPUTE_WGS, 1, wg_m)),
                 collective_axes=WG_AXIS)
+
+
+def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
+                               config: Fp8Config, epilogue: Epilogue) -> None:
+  """`emit_fp8_matmul_warp_specialized`'s (128, TILE_N) tiles, walked by one
+  persistent block per SM (`persistent_sm90.for_each_work_item`, in
+  `config.tile_order`).
+
+  The memory warpgroup runs ahead into the block's next tile, so its loads
+  overlap the compute warpgroups' epilogue. Each compute warpgroup loads its
+  own copy of a tile's constants (RHS scales, bias) after its epilogue of the
+  last tile: one warpgroup starting a tile never overwrites what the other
+  still reads. Must be called from a kernel with grid axis `SM_AXIS` and
+  `NUM_COMPUTE_WGS` + 1 warpgroups on `WG_AXIS`; the arguments are
+  `emit_fp8_matmul`'s, with M a multiple of 128.
+  """
+  bias_gmem, out_gmem, out_scales_gmem = _outputs(rest, epilogue)
+  wg_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
+  cta_m = NUM_COMPUTE_WGS * wg_m
+  m, k = lhs_gmem.shape
+  k_steps = k // tile_k
+  n_tiles = rhs_gmem.shape[0] // tile_n
+  wg = lax.axis_index(WG_AXIS)
+  wg_rows = pl.ds(wg * wg_m, wg_m)
+
+  def pipeline(step, compute_context):
+    return _warp_specialized_pipeline(step, compute_context, rows=cta_m, k_steps=k_steps,
+                                      config=config, dtype=lhs_gmem.dtype)
+
+  def ignore(*_, **__):
+    return None
+
+  pipeline_allocs = pipeline(ignore, ignore).get_allocations(
+      jax.ShapeDtypeStruct((cta_m, k), lhs_gmem.dtype),
+      jax.ShapeDtypeStruct((tile_n, k), rhs_gmem.dtype),
+      jax.ShapeDtypeStruct((k_steps, cta_m), jnp.float32))
+
+  def scoped(pipeline_allocs, out_smem, rhs_scales_smem, constants_loaded, bias_smem=None,
+             out_scales_smem=None):
+    def work_item(_, m_tile, n_tile, __):
+      m_slice = pl.ds(m_tile * cta_m, cta_m)
+      n_slice = pl.ds(n_tile * tile_n, tile_n)
+
+      def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
+        (kk,) = indices
+        return _add_scaled_block_product(running_sum, lhs_smem.at[wg_rows], rhs_smem,
+                                         lhs_scales_smem.at[0, wg_rows],
+                                         rhs_scales_smem[wg, kk])
+
+      def compute_context(run_pipeline):
+        # The last tile's reads of these constants (register loads) come
+        # before the copies that overwrite them.
+        plgpu.commit_smem()
+        _load_tile_constants(rhs_scales_gmem, bias_gmem, n_tile, rhs_scales_smem.at[wg],
+                             None if bias_smem is None else bias_smem.at[wg],
+                             constants_loaded.at[wg])
+        plgpu.barrier_wait(constants_loaded.at[wg])
+        total = run_pipeline(_zeros((wg_m, tile_n)))
+        scales_row = _scales_row(out_scales_gmem, n_tile, m_slice)
+        _store_output(_finish(total, None if bias_smem is None else bias_smem.at[wg], epilogue),
+                      out_smem.at[wg], out_gmem.at[m_slice, n_slice].at[wg_rows],
+                      None if out_scales_smem is None else out_scales_smem.at[wg],
+                      None if scales_row is None else scales_row.at[:, wg_rows])
+
+      pipeline(step, compute_context)(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice],
+                                      lhs_scales_gmem.at[:, m_slice],
+                                      allocations=pipeline_allocs)
+
+    for_each_work_item(config.tile_order, m // cta_m, n_tiles, work_item)
+
+  # Allocated once for all warpgroups of the block, and for all its tiles.
+  pl.run_scoped(scoped, pipeline_allocs=pipeline_allocs,
+                out_smem=smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
+                **_tile_constants_scratch(rhs_scales_gmem, epilogue, copies=NUM_COMPUTE_WGS),
+                **_scales_scratch(out_scales_gmem, (NUM_COMPUTE_WGS, 1, wg_m)),
+                collective_axes=WG_AXIS)
+
+
+def _warp_specialized_pipeline(step, compute_context, *, rows: int, k_steps: int,
+                               config: Fp8Config, dtype):
+  """The memory warpgroup's pipeline of a (rows, TILE_N) tile's K steps
+  (`_operand_specs`), feeding `step` in `NUM_COMPUTE_WGS` compute warpgroups."""
+  return plgpu.emit_pipeline_warp_specialized(
+      step,
+      grid=(k_steps,),
+      memory_registers=MEMORY_WG_REGISTERS,
+      in_specs=_operand_specs(rows, config, dtype),
+      wg_axis=WG_AXIS,
+      num_compute_wgs=NUM_COMPUTE_WGS,
+      max_concurrent_steps=config.pipeline.steps_for(k_steps),
+      compute_context=compute_context,
+  )
 
 
 def _zeros(shape: tuple[int, int]) -> jax.Array:
@@ -214,15 +303,22 @@ def _operand_specs(rows: int, config: Fp8Config, dtype) -> list:
           plgpu.BlockSpec((1, rows), lambda k: (k, 0))]
 
 
-def _tile_constants_scratch(rhs_scales_gmem, epilogue: Epilogue) -> dict:
+def _tile_constants_scratch(rhs_scales_gmem, epilogue: Epilogue, copies: int | None = None
+                            ) -> dict:
   """The SMEM of a tile's constants, read by every K step and the epilogue:
   its column block's RHS scales (`rhs_scales_smem`), its bias (`bias_smem`,
-  if any), and the barrier their copies arrive on, once each."""
+  if any), and the barrier their copies arrive on, once each. With `copies`,
+  that many of each (the persistent kernel's one per compute warpgroup), each
+  row padded to `Fp8Config.constants_row_length`, and a barrier per copy."""
   scale_copies = len(tma_boxes(rhs_scales_gmem.shape[1]))
-  scratch = dict(rhs_scales_smem=plgpu.SMEM((rhs_scales_gmem.shape[1],), jnp.float32),
-                 constants_loaded=barrier(num_arrivals=scale_copies + epilogue.has_bias))
+  arrivals = scale_copies + epilogue.has_bias
+
+  def row(length):
+    return (length,) if copies is None else (copies, Fp8Config.constants_row_length(length))
+  scratch = dict(rhs_scales_smem=plgpu.SMEM(row(rhs_scales_gmem.shape[1]), jnp.float32),
+                 constants_loaded=barrier(num_arrivals=arrivals, num_barriers=copies or 1))
   if epilogue.has_bias:
-    scratch["bias_smem"] = plgpu.SMEM((Fp8Config.TILE_N,), jnp.float32)
+    scratch["bias_smem"] = plgpu.SMEM(row(Fp8Config.TILE_N), jnp.float32)
   return scratch
 
 

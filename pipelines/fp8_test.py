@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+import simulator
 from core import testing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
 from pipelines import (
@@ -20,6 +21,11 @@ from pipelines import (
 )
 from pipelines import matmul_test_base as base
 from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK, scales_shape
+
+# The persistent kernel's three warpgroups wait on each other's barriers, each
+# on a thread of XLA's intra-op pool: a pool of two (a 2-core machine) can
+# deadlock (`simulator.thread_pool`).
+simulator.reserve_intra_op_threads()
 
 # e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2**-4
 # of itself, a subnormal one by half the smallest step, 2**-10 of the scale.
@@ -161,6 +167,9 @@ class Fp8MatmulTest(testing.KernelTestCase):
 
   @parameterized.parameters((128, 256, 256), (100, 200, 136))
   def test_output_quantized_in_the_epilogue(self, m, k, n):
+    self.check_quantized_output(m, k, n)
+
+  def check_quantized_output(self, m, k, n):
     """out_dtype=float8_e4m3fn: the output in (1, 128) blocks, its scales
     those `quantize_fp8` gives the float32 result (up to float32 summation),
     each element within e4m3's rounding of the reference; and it feeds the
@@ -269,9 +278,41 @@ class Fp8MatmulTest(testing.KernelTestCase):
 
 class Fp8MatmulWarpSpecializedTest(Fp8MatmulTest):
   """The same cases on (128, 128) tiles: two compute warpgroups and a memory
-  warpgroup (`emit_fp8_matmul_warp_specialized`)."""
+  warpgroup (`emit_fp8_matmul_warp_specialized`), one block per tile."""
 
-  config = Fp8Config(compute_wgs=2)
+  config = Fp8Config(compute_wgs=2, persistent=False)
+
+
+class Fp8MatmulPersistentTest(Fp8MatmulWarpSpecializedTest):
+  """The same cases on the persistent kernel (`emit_fp8_matmul_persistent`),
+  its grid capped at 2 blocks, so that a block walks several tiles."""
+
+  config = Fp8Config()
+
+  def setUp(self):
+    super().setUp()
+    self.enterContext(base.with_blocks(2))
+
+  # 9 tiles on 2 blocks: each compute warpgroup loads a tile's RHS scales and
+  # bias while the other may still be finishing the last tile, and the memory
+  # warpgroup loads a tile while both still compute the last.
+  SEVERAL_TILES = (384, 512, 384)
+
+  @parameterized.parameters(False, True)
+  def test_blocks_walk_several_tiles(self, has_bias):
+    self.check(*self.SEVERAL_TILES, seed=51,
+               epilogue=Epilogue(activation="gelu", has_bias=has_bias))
+
+  def test_blocks_walk_several_tiles_quantizing_the_output(self):
+    self.check_quantized_output(*self.SEVERAL_TILES)
+
+  def test_needs_a_memory_warpgroup(self):
+    with self.assertRaisesRegex(ValueError, "persistent=True needs compute_wgs=2"):
+      Fp8Config(persistent=True, compute_wgs=1)
+
+  def test_is_the_default_with_a_memory_warpgroup(self):
+    self.assertEqual((Fp8Config().persistent, Fp8Config(compute_wgs=1).persistent),
+                     (True, False))
 
 
 class Fp8PerTensorTest(testing.KernelTestCase):

@@ -53,7 +53,11 @@ from pipelines.epilogue import (
   derivative_dtype,
   kept_derivative,
 )
-from pipelines.fp8_matmul_sm90 import emit_fp8_matmul, emit_fp8_matmul_warp_specialized
+from pipelines.fp8_matmul_sm90 import (
+    emit_fp8_matmul,
+    emit_fp8_matmul_persistent,
+    emit_fp8_matmul_warp_specialized,
+)
 from pipelines.fp8_quantize import ROW_BLOCK, quantize_fp8, scales_shape
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
@@ -174,9 +178,12 @@ def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
 
 
 def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_axes=(),
-                      cluster_size: int = 1):
+                      cluster_size: int = 1, reduction_scratch_bytes: int | None = None):
   """`plgpu.kernel` for a warp-specialized body: `num_blocks` persistent blocks on
   `SM_AXIS`, two compute warpgroups and a memory warpgroup on `WG_AXIS`.
+
+  `reduction_scratch_bytes` is `core.compiler.compiler_params`'s (None: Mosaic
+  GPU's default, which a body that reduces only within warps need not pay).
 
   With `cluster_size` > 1, `SM_AXIS` counts clusters of that many blocks
   (`CLUSTER_AXIS`): num_blocks // cluster_size of them.
@@ -192,7 +199,7 @@ def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_
       **cluster,
       num_threads=NUM_COMPUTE_WGS + 1,
       thread_name=WG_AXIS,
-      compiler_params=compiler_params(),
+      compiler_params=compiler_params(reduction_scratch_bytes=reduction_scratch_bytes),
       interpret=interpret_params(),
       kernel_name=name,
   ), collective_axes=collective_axes)
@@ -659,26 +666,40 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   args = (lhs, rhs, lhs_scales, rhs_scales)
   if bias is not None:
     args += (operands.zero_pad(bias, (padded_n,)),)
+  out_type = jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype)
+  if quantized:  # And the output's scales, one per row and TILE_N columns, transposed.
+    out_type = (out_type, jax.ShapeDtypeStruct((padded_n // tile_n, padded_m), jnp.float32))
+  # A quantized output's row maxima reduce within warps (each row of a wgmma
+  # accumulator lives in one warp): no cross-warp scratch in SMEM.
+  no_reduction_scratch = 0
+  if config.persistent:
+    tiles = (padded_m // tile_m) * (padded_n // tile_n)
+    kernel = persistent_kernel(
+        functools.partial(emit_fp8_matmul_persistent, config=config, epilogue=epilogue),
+        out_type=out_type, num_blocks=min(device_facts().sm_count, tiles),
+        name="fp8_block_scaled_matmul_persistent",
+        reduction_scratch_bytes=no_reduction_scratch)
+    return _fp8_result(kernel(*args), m, n, quantized)
   body = emit_fp8_matmul if config.compute_wgs == 1 else emit_fp8_matmul_warp_specialized
   # The warp-specialized body runs its compute warpgroups and a memory warpgroup.
   threads = (dict(num_threads=NUM_COMPUTE_WGS + 1, thread_name=WG_AXIS)
              if config.compute_wgs > 1 else {})
-  out_type = jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype)
-  if quantized:  # And the output's scales, one per row and TILE_N columns, transposed.
-    out_type = (out_type, jax.ShapeDtypeStruct((padded_n // tile_n, padded_m), jnp.float32))
   kernel = varying_kernel(plgpu.kernel(
       functools.partial(body, config=config, epilogue=epilogue),
       out_type=out_type,
       grid=(padded_m // tile_m, padded_n // tile_n),
       grid_names=(M_AXIS, N_AXIS),
       **threads,
-      # A quantized output's row maxima reduce within warps (each row of a
-      # wgmma accumulator lives in one warp): no cross-warp scratch in SMEM.
-      compiler_params=compiler_params(reduction_scratch_bytes=0),
+      compiler_params=compiler_params(reduction_scratch_bytes=no_reduction_scratch),
       interpret=interpret_params(),
       kernel_name="fp8_block_scaled_matmul",
   ))
-  out = kernel(*args)
+  return _fp8_result(kernel(*args), m, n, quantized)
+
+
+def _fp8_result(out, m: int, n: int, quantized: bool):
+  """The (m, n) result of the FP8 kernel's padded outputs; for an e4m3 output,
+  (values (m, n), scales (m, ceil(n / 128)))."""
   if quantized:
     values, scales = out
     return values[:m, :n], scales.T[:m]

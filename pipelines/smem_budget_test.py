@@ -93,8 +93,10 @@ class SmemModelTest(parameterized.TestCase):
                      config.pallas_call_smem_budget(k, jnp.float16, out_dtype).total_bytes)
 
   @parameterized.product(config=[Fp8Config(), Fp8Config(max_concurrent_steps=2),
-                                 Fp8Config(compute_wgs=2),
-                                 Fp8Config(compute_wgs=2, max_concurrent_steps=3)],
+                                 Fp8Config(compute_wgs=1),
+                                 Fp8Config(compute_wgs=1, max_concurrent_steps=2),
+                                 Fp8Config(persistent=False),
+                                 Fp8Config(persistent=False, max_concurrent_steps=3)],
                          has_bias=[False, True], k=[4096, 256],
                          out_dtype=[jnp.bfloat16, jnp.float8_e4m3fn])
   def test_fp8(self, config, has_bias, k, out_dtype):
