@@ -12,8 +12,10 @@ turns for `--rounds` rounds in the same process:
                           (1, 128) and (128, 128) blocks beforehand (weights
                           are stored quantized; an activation's quantization
                           is the `fp8_linear` rows' business), on the
-                          warp-specialized kernel and (", 1 warpgroup") on the
-                          one-warpgroup one (`Fp8Config.compute_wgs`)
+                          default (warp-specialized, persistent) kernel, (",
+                          one block per tile") on its parallel grid
+                          (`Fp8Config.persistent`) and (", 1 warpgroup") on
+                          the one-warpgroup one (`Fp8Config.compute_wgs`)
   ours: fp8 per-tensor    `fp8_matmul` with one scale per operand (the
                           persistent kernel of `matmul`, scaled in its
                           epilogue)
@@ -118,6 +120,8 @@ def forward_implementations(x, w) -> tuple[dict, dict]:
       BASELINE: lambda o: jnp.dot(o["x"], o["w"]),
       "ours: bf16": lambda o: matmul(o["x"], o["w"]),
       "ours: fp8 block-scaled": lambda o: fp8_matmul(o["xq"], o["wq"], o["xs"], o["ws"]),
+      "ours: fp8 block-scaled, one block per tile": lambda o: fp8_matmul(
+          o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config(persistent=False)),
       "ours: fp8 block-scaled, 1 warpgroup": lambda o: fp8_matmul(
           o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config(compute_wgs=1)),
       "ours: fp8 per-tensor": lambda o: fp8_matmul(o["xt"], o["wt"], o["x_scale"],
@@ -203,6 +207,9 @@ def precision_records(k_values: list[int], m: int = 1024, n: int = 1024) -> list
     cases = {f"fp8_matmul, compute_wgs={c}": (
         functools.partial(fp8_matmul, out_dtype=jnp.float32, config=Fp8Config(compute_wgs=c)),
         (xq, wq, xs, ws)) for c in (1, 2)}
+    cases["fp8_matmul, one block per tile"] = (
+        functools.partial(fp8_matmul, out_dtype=jnp.float32,
+                          config=Fp8Config(persistent=False)), (xq, wq, xs, ws))
     cases["fp8_matmul, per-tensor"] = (functools.partial(fp8_matmul, out_dtype=jnp.float32),
                                        (xq, wq, one, one))
     cases["xla, per-tensor"] = (xla_per_tensor, (xq, wq, one, one))
