@@ -311,8 +311,9 @@ class Fp8MatmulPersistentTest(Fp8MatmulWarpSpecializedTest):
       Fp8Config(persistent=True, compute_wgs=1)
 
   def test_is_the_default_with_a_memory_warpgroup(self):
-    self.assertEqual((Fp8Config().persistent, Fp8Config(compute_wgs=1).persistent),
-                     (True, False))
+    self.assertEqual((Fp8Config().runs_persistent, Fp8Config(compute_wgs=1).runs_persistent,
+                      dataclasses.replace(Fp8Config(), compute_wgs=1).runs_persistent,
+                      Fp8Config(persistent=False).runs_persistent), (True, False, False, False))
 
 
 class Fp8PerTensorTest(testing.KernelTestCase):

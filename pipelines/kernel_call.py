@@ -672,7 +672,7 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   # A quantized output's row maxima reduce within warps (each row of a wgmma
   # accumulator lives in one warp): no cross-warp scratch in SMEM.
   no_reduction_scratch = 0
-  if config.persistent:
+  if config.runs_persistent:
     tiles = (padded_m // tile_m) * (padded_n // tile_n)
     kernel = persistent_kernel(
         functools.partial(emit_fp8_matmul_persistent, config=config, epilogue=epilogue),
