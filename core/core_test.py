@@ -149,6 +149,27 @@ class InterpretSwitchTest(absltest.TestCase):
       with self.assertRaisesRegex(ValueError, "MGPU_INTERPRET='maybe'"):
         interpret.interpret_params()
 
+  def test_warns_once_when_the_cpu_pool_could_deadlock(self):
+    """Three waiting warpgroups can hold every thread of a pool smaller than
+    `MIN_INTRA_OP_THREADS` (a 2-core machine): say how to size it, once."""
+    small = interpret.MIN_INTRA_OP_THREADS - 2
+    self.addCleanup(interpret._warn_if_intra_op_pool_is_small.cache_clear)  # noqa: SLF001
+    interpret._warn_if_intra_op_pool_is_small.cache_clear()  # noqa: SLF001
+    with (mock.patch.object(interpret, "intra_op_pool_size", return_value=small),
+          self.assertLogs("core.interpret", "WARNING") as logs):
+      for _ in range(2):
+        with interpret.interpret_mode():
+          pass
+    self.assertLen(logs.records, 1)
+    self.assertIn(f"has {small} threads", logs.records[0].getMessage())
+    self.assertIn("PJRT_NPROC=16", logs.records[0].getMessage())
+    interpret._warn_if_intra_op_pool_is_small.cache_clear()  # noqa: SLF001
+    with (mock.patch.object(interpret, "intra_op_pool_size",
+                            return_value=interpret.MIN_INTRA_OP_THREADS),
+          self.assertNoLogs("core.interpret", "WARNING")):
+      with interpret.interpret_mode():
+        pass
+
   def test_automatic_without_gpu(self):
     if device.has_gpu():
       self.skipTest("checks the no-GPU default")

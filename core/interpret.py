@@ -21,14 +21,25 @@ enough of them that the copies of a test-sized kernel never share one.
 
 The choice is made when a kernel is traced, so a function already traced under
 `jax.jit` keeps the mode it was traced with.
+
+Each simulated thread (a warpgroup of a block) is an XLA execution on the CPU,
+and one that waits at a barrier holds a thread of XLA's CPU intra-op pool,
+which XLA sizes once, when jax starts its CPU backend: `PJRT_NPROC`, else the
+CPU count. A warp-specialized kernel runs three warpgroups a block; with fewer
+pool threads than that and one more, the waiting ones can take them all while
+the one they wait for cannot run, and the kernel never returns (it happened
+on a 2-core machine). Interpret mode warns once when the pool is that small.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import logging
 import os
 
+import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import device, jax_private
@@ -39,6 +50,13 @@ DETECT_RACES_ENV = "MGPU_DETECT_RACES"
 # devices issues about 140 copies per device; each one costs every vector
 # clock an entry.
 TMA_THREADS_PER_DEVICE = 256
+# Simulated threads of a warp-specialized block (two compute warpgroups and a
+# memory warpgroup), and one pool thread for the computations their callbacks run.
+MIN_INTRA_OP_THREADS = 3 + 1
+_POOL_THREAD_NAME = "tf_XLAEigen"
+_XLA_MAX_POOL_THREADS = 256
+
+_logger = logging.getLogger(__name__)
 
 _forced: contextvars.ContextVar[plgpu.InterpretGPUParams | bool | None] = contextvars.ContextVar(
     "mgpu_forced_interpret", default=None)
@@ -109,7 +127,50 @@ def interpret_params() -> plgpu.InterpretGPUParams | None:
   return _params(bool(_env_flag(DETECT_RACES_ENV)), TMA_THREADS_PER_DEVICE)
 
 
+@functools.cache
+def _counted_intra_op_threads() -> int:
+  """Threads of XLA's CPU intra-op pool, counted by name (Linux; 0 elsewhere)."""
+  try:
+    tasks = os.listdir("/proc/self/task")
+  except OSError:
+    return 0
+  count = 0
+  for task in tasks:
+    try:
+      with open(f"/proc/self/task/{task}/comm") as f:
+        count += f.read().strip() == _POOL_THREAD_NAME
+    except OSError:
+      continue
+  return count
+
+
+def intra_op_pool_size() -> int:
+  """The number of threads of XLA's CPU intra-op pool (starts the CPU backend)."""
+  jax.devices("cpu")  # Starts the backend, whose pool starts all its threads.
+  counted = _counted_intra_op_threads()
+  if counted:
+    return counted
+  _counted_intra_op_threads.cache_clear()
+  # What XLA computes (xla/pjrt/cpu/cpu_client.cc), where threads have no names.
+  requested = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC") or os.cpu_count() or 1
+  return min(max(int(requested), jax.local_device_count("cpu")), _XLA_MAX_POOL_THREADS)
+
+
+@functools.cache
+def _warn_if_intra_op_pool_is_small() -> None:
+  """Warns, once a process, when a warp-specialized kernel could deadlock the
+  interpreter (see the module docstring)."""
+  pool = intra_op_pool_size()
+  if pool < MIN_INTRA_OP_THREADS:
+    _logger.warning(
+        "Interpret mode: XLA's CPU intra-op pool has %d threads, fewer than the %d a "
+        "warp-specialized kernel's simulated warpgroups may hold while they wait, so a "
+        "kernel may never return. Set the environment variable PJRT_NPROC=16 before jax "
+        "starts its CPU backend.", pool, MIN_INTRA_OP_THREADS)
+
+
 def _params(detect_races: bool, tma_threads_per_device: int) -> plgpu.InterpretGPUParams:
+  _warn_if_intra_op_pool_is_small()
   return plgpu.InterpretGPUParams(detect_races=detect_races,
                                   num_tma_threads_per_device=tma_threads_per_device)
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import os
 import threading
 
 import jax
 from jax._src import xla_bridge
+
+from core.interpret import intra_op_pool_size
 
 # Threads XLA's CPU client gives its intra-op pool and its dispatch pool when
 # `reserve_intra_op_threads` sets `PJRT_NPROC`; XLA caps the intra-op pool at 256.
@@ -38,8 +39,6 @@ INTRA_OP_THREADS = 128
 # wait for their simulated threads (one per device, on top of the simulated
 # threads) and the small computations callbacks run.
 SPARE_POOL_THREADS = 4
-_POOL_THREAD_NAME = "tf_XLAEigen"
-_XLA_MAX_POOL_THREADS = 256
 
 # XLA's CPU client runs at most 32 executions at once per device; we keep
 # some of them free for the small computations the interpreter's callbacks
@@ -59,35 +58,6 @@ def reserve_intra_op_threads(num_threads: int = INTRA_OP_THREADS) -> bool:
     return False
   os.environ["PJRT_NPROC"] = str(num_threads)
   return True
-
-
-@functools.cache
-def _counted_intra_op_threads() -> int:
-  """Threads of XLA's CPU intra-op pool, counted by name (Linux; 0 elsewhere)."""
-  try:
-    tasks = os.listdir("/proc/self/task")
-  except OSError:
-    return 0
-  count = 0
-  for task in tasks:
-    try:
-      with open(f"/proc/self/task/{task}/comm") as f:
-        count += f.read().strip() == _POOL_THREAD_NAME
-    except OSError:
-      continue
-  return count
-
-
-def intra_op_pool_size() -> int:
-  """The number of threads of XLA's CPU intra-op pool (starts the CPU backend)."""
-  jax.devices("cpu")  # Starts the backend, whose pool starts all its threads.
-  counted = _counted_intra_op_threads()
-  if counted:
-    return counted
-  _counted_intra_op_threads.cache_clear()
-  # What XLA computes (xla/pjrt/cpu/cpu_client.cc), where threads have no names.
-  requested = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC") or os.cpu_count() or 1
-  return min(max(int(requested), jax.local_device_count("cpu")), _XLA_MAX_POOL_THREADS)
 
 
 def check_intra_op_pool(threads: int, num_devices: int) -> None:
