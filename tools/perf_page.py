@@ -202,6 +202,12 @@ def _bench_matmul_rows(records: list[dict], table: Table, source: Source) -> lis
                      ratio=lambda r: _ratio(r, "ratio_to_dot", "ratio_min", "ratio_max"))
 
 
+def _bench_fp8_rows(records: list[dict], table: Table, source: Source) -> list[Row]:
+  # One bf16 problem a row: each implementation's own dtypes are in its name.
+  return _keyed_rows(records, table, source, name="kernel", key=lambda r: (r["shape"],),
+                     ratio=lambda r: _ratio(r, "ratio_to_dot", "ratio_min", "ratio_max"))
+
+
 def _bench_train_rows(records: list[dict], table: Table, source: Source) -> list[Row]:
   def errors(by_name):
     ours, xla = (by_name.get(name, {}).get("rel_error_max")
@@ -245,6 +251,9 @@ SCHEMAS = {
         writer="tools/bench_matmul.py", key_columns=("M x K x N", "dtype", "layout"),
         extra_columns=(), records=_listed_records, rows=_bench_matmul_rows,
         defaults=dict(layout="NN")),
+    "bench_fp8": Schema(
+        writer="tools/bench_fp8.py", key_columns=("M x K x N",), extra_columns=(),
+        records=_listed_records, rows=_bench_fp8_rows, plot_label_columns=(0,)),
     "bench_train": Schema(
         writer="tools/bench_train.py", key_columns=("size", "layer", "pass"),
         extra_columns=("largest error, ours / XLA",), records=_document_records,
