@@ -66,6 +66,14 @@ class CooperativeMatmulTest(base.MatmulTestBase):
     self.check((128, 128, 360), jnp.float16, seed=51,
                config_fields=dict(tile_n=96, epi_tile_n=32, wg_dimension=MatmulDimension.N))
 
+  def test_wide_decode_tile(self):
+    """The heuristic's widest decode tile, two 64x256 warpgroup tiles along N
+    (64x512 CTA tiles) in 2 stages: decode-size M, a ragged N whose 3 CTA
+    tiles take turns on 2 blocks, 4 K steps through the 2 slots."""
+    self.check((16, 256, 1100), jnp.bfloat16, seed=57, num_blocks=2,
+               config_fields=dict(tile_n=256, epi_tile_n=64, wg_dimension=MatmulDimension.N),
+               epilogue=Epilogue(activation="silu", has_bias=True))
+
   @parameterized.parameters(
       # (M x K x N, layout, config fields, blocks): 4 M tiles in 2 pairs, 2
       # tiles along N, on 2 clusters, each walking two pairs.

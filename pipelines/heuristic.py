@@ -66,6 +66,19 @@ _HEURISTIC_TILES = (
 _DECODE_TILE = (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.N), 1.2)
 _DECODE_SPLIT_MAX_M = 16
 _DECODE_MAX_M = 64
+# Decode-size M also gets a 64x512 CTA tile (two 64x256 warpgroup tiles along
+# N; two stages fit), unsplit, at the decode tile's cost: it streams twice the
+# weight columns a work item, so a weight that 64x256 tiles stream in more
+# than one wave may fit in one (`_estimated_time_us` charges a stream whole
+# waves). On an H200 (bf16; perf/2026-12-04-h200-wide-decode-tile-probe.json),
+# where its work items fit in one wave and the heuristic's 64x256 or 64x128
+# tiles' did not, it ran 1.08x faster at 16x8192x57344 (fit half) and
+# 1.12-1.18x at 16x6144x49152, 32x4096x45056 and 8x7168x36864 (no suite);
+# where both fit in one wave it ran 1.16-1.28x slower (1x3072x32064,
+# 16x4096x28672, 64x4096x28672, 64x4096x32000: half as many SMs stream), and
+# where neither does, 0.92-1.02x (docs/performance-log.md, "A 64x512 decode tile, and
+# streams charged whole waves").
+_WIDE_DECODE_TILE = (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.N), 1.2)
 # Tiles whose (K, N) RHS tiles are one segment wide (each warpgroup of the
 # 64x128 tile loads its own 64 columns, `TuningConfig.rhs_tiles`) read that
 # RHS as boxes in place at any N on 16 bytes (`operands.tma_sizes`), where
@@ -267,11 +280,11 @@ def _hbm_bytes_per_us(problem: operands.MatmulProblem, config: TuningConfig) -> 
   not for outputs at most `_NARROW_MAX_N` wide (their own tiles, never
   weighed against the decode tile) nor for an RHS stored (N, K), whose tiles'
   rows run along K whatever their width."""
-  decode_tile = _DECODE_TILE[0]
+  decode_tiles = {(tiles.cta_tile_m, tiles.cta_tile_n)
+                  for tiles, _ in (_DECODE_TILE, _WIDE_DECODE_TILE)}
   if (problem.m <= _DECODE_SPLIT_MAX_M and problem.n > _NARROW_MAX_N
       and not problem.layout.transpose_rhs
-      and (config.cta_tile_m, config.cta_tile_n)
-      != (decode_tile.cta_tile_m, decode_tile.cta_tile_n)):
+      and (config.cta_tile_m, config.cta_tile_n) not in decode_tiles):
     return _HBM_BYTES_PER_US * _DECODE_OTHER_TILES_HBM_SHARE
   return _HBM_BYTES_PER_US
 
@@ -288,7 +301,9 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   pays for the XLA sum of its partials.
   """
   m, k, n = problem.m, problem.k, problem.n
-  waves = -(-_num_tiles(problem, config) * splits // device_facts().sm_count)
+  work_items = _num_tiles(problem, config) * splits
+  sm_count = device_facts().sm_count
+  waves = -(-work_items // sm_count)
   # Every range runs as many K steps as the longest, past K if need be.
   range_k = k_range_steps(k, config.tile_k, splits) * config.tile_k
   compute_us = waves * (config.cta_tile_m * config.cta_tile_n * range_k * tile_cost
@@ -297,6 +312,14 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   output_bytes = partial_bytes or m * n * problem.dtype.itemsize
   hbm_us = (((m * k + k * n) * problem.dtype.itemsize + output_bytes)
             / _hbm_bytes_per_us(problem, config))
+  if m <= _DECODE_MAX_M and work_items > sm_count:
+    # A stream of more work items than SMs: each wave takes as long as a full
+    # one, since the SMs of a part-empty last wave do not stream faster
+    # (16x5120x55296 in 216 64x256 tiles, 1.6 waves: 0.84-0.93x jnp.dot; in
+    # 108 64x512 tiles: 0.98-1.01x). Measured where streams take 1-2 waves; at
+    # 4.5 (64x3584x152064) it overstates the last wave: it moved that problem
+    # to 64x128 tiles in 9 waves, which ran 1-1.5% slower than 64x256 ones.
+    hbm_us *= waves * sm_count / work_items
   kernel_us = (compute_us ** _OVERLAP_NORM + hbm_us ** _OVERLAP_NORM) ** (1 / _OVERLAP_NORM)
   sum_us = _SPLIT_SUM_US + partial_bytes / _SPLIT_SUM_BYTES_PER_US if splits > 1 else 0.0
   return kernel_us + sum_us
@@ -536,7 +559,11 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   (16x8192x57344: 0.92x cuBLAS, where 128x256 tiles ran at 0.70x). Up to 16
   rows the model has the other tiles stream the weights at 0.8 of that tile's rate
   (`_DECODE_OTHER_TILES_HBM_SHARE`; 16x8192x10240: 64x256 tiles in 2 ranges
-  ran 1.18x faster than the unsplit 64x128 ones it had level). Where
+  ran 1.18x faster than the unsplit 64x128 ones it had level). A stream of
+  more work items than SMs costs whole waves, and an unsplit 64x512 tile
+  streams twice the columns of a 64x256 one (`_WIDE_DECODE_TILE`;
+  16x5120x55296: 108 of them in one wave ran 1.09x (bf16) and 1.12x (f16)
+  faster than 216 64x256 tiles in 1.6 waves, level with cuBLAS). Where
   larger tiles would pad a (K, N) RHS whose N is off 64 columns and M is at
   most 256, tiles with one-segment RHS tiles read it in
   place, the others paying for the copy: 64x128 tiles where M <= 64
@@ -685,7 +712,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
                                      has_bias=True).fits()):
       return pingpong
   else:
-    candidates = _HEURISTIC_TILES + ((_DECODE_TILE,) if problem.m <= _DECODE_MAX_M else ())
+    candidates = _HEURISTIC_TILES + ((_DECODE_TILE, _WIDE_DECODE_TILE)
+                                     if problem.m <= _DECODE_MAX_M else ())
     # Only where some tiles pad an RHS whose rows are off 128 bytes and the
     # small ones read it in place do the candidates pay for their pads:
     # elsewhere they pad alike, or not at all (an N below a CTA tile is
@@ -713,6 +741,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
     for i, (tiles, tile_cost) in enumerate(candidates):
       for splits in _k_splits_options(problem, tiles):
         if tiles is _DECODE_TILE[0] and splits > 1 and problem.m > _DECODE_SPLIT_MAX_M:
+          continue
+        if tiles is _WIDE_DECODE_TILE[0] and splits > 1:
           continue
         time_us = _estimated_time_us(problem, tiles, tile_cost, splits)
         if weigh_pads:

@@ -393,14 +393,20 @@ class ConfigChoiceTest(parameterized.TestCase):
     ranges, which ran faster there. Up to 64 rows, weights wide enough for a
     wave of 128x256 tiles take unsplit 64x256 ones, not 128-row tiles that
     compute mostly rows past M (16x8192x57344: 0.70x jnp.dot before, 0.92x
-    after, on an H200)."""
+    after, on an H200), or unsplit 64x512 ones where those stream the weights
+    in fewer waves than 64x256 tiles, whose last wave would be part-empty
+    (16x8192x57344 again: 0.90x -> 0.98x; 16x5120x55296: 0.93x -> 1.01x)."""
     for (m, k, n), expected in (((1, 8192, 8192), (64, 256, 4)),
                                 ((16, 8192, 8192), (64, 256, 4)),
                                 # 64x256 tiles in 8 ranges of 1024 ran 7% slower.
                                 ((16, 8192, 4096), (64, 128, 4)),
                                 ((64, 8192, 8192), (64, 128, 2)),
-                                ((16, 8192, 57344), (64, 256, 1)),
-                                ((16, 8192, 128256), (64, 256, 1)),
+                                ((16, 8192, 57344), (64, 512, 1)),
+                                ((16, 5120, 55296), (64, 512, 1)),
+                                ((64, 3584, 37888), (64, 512, 1)),
+                                # 4.5 waves of 64x256 tiles, 2.3 of 64x512 ones.
+                                ((16, 5120, 152064), (64, 256, 1)),
+                                # One wave of 64x256 tiles: 64x512 ones ran 1.28x slower.
                                 ((64, 4096, 28672), (64, 256, 1)),
                                 # One 64-row tile more: 128-row tiles again.
                                 ((65, 4096, 57344), (128, 256, 1))):
