@@ -68,9 +68,9 @@ _DECODE_SPLIT_MAX_M = 16
 _DECODE_MAX_M = 64
 # Decode-size M also gets a 64x512 CTA tile (two 64x256 warpgroup tiles along
 # N; two stages fit), unsplit, at the decode tile's cost: it streams twice the
-# weight columns a work item, so a weight that 64x256 tiles stream in more
-# than one wave may fit in one (`_estimated_time_us` charges a stream whole
-# waves). On an H200 (bf16; perf/2026-12-04-h200-wide-decode-tile-probe.json),
+# weight columns a work item, so a weight that 64x256 tiles stream in one to
+# two waves may fit in one (`_estimated_time_us` charges such a stream two
+# whole waves). On an H200 (bf16; perf/2026-12-04-h200-wide-decode-tile-probe.json),
 # where its work items fit in one wave and the heuristic's 64x256 or 64x128
 # tiles' did not, it ran 1.08x faster at 16x8192x57344 (fit half) and
 # 1.12-1.18x at 16x6144x49152, 32x4096x45056 and 8x7168x36864 (no suite);
@@ -312,14 +312,16 @@ def _estimated_time_us(problem: operands.MatmulProblem, config: TuningConfig,
   output_bytes = partial_bytes or m * n * problem.dtype.itemsize
   hbm_us = (((m * k + k * n) * problem.dtype.itemsize + output_bytes)
             / _hbm_bytes_per_us(problem, config))
-  if m <= _DECODE_MAX_M and work_items > sm_count:
-    # A stream of more work items than SMs: each wave takes as long as a full
-    # one, since the SMs of a part-empty last wave do not stream faster
+  if m <= _DECODE_MAX_M and sm_count < work_items < 2 * sm_count:
+    # A stream of one to two waves of work items: its second, part-empty wave
+    # takes as long as a full one, since its SMs do not stream faster
     # (16x5120x55296 in 216 64x256 tiles, 1.6 waves: 0.84-0.93x jnp.dot; in
-    # 108 64x512 tiles: 0.98-1.01x). Measured where streams take 1-2 waves; at
-    # 4.5 (64x3584x152064) it overstates the last wave: it moved that problem
-    # to 64x128 tiles in 9 waves, which ran 1-1.5% slower than 64x256 ones.
-    hbm_us *= waves * sm_count / work_items
+    # 108 64x512 tiles: 0.98-1.01x). From two full waves on, the last one's
+    # share of the time is small and it ran no slower than a full one would:
+    # 8x8192x73728 in 288 64x256 tiles (2.2 waves) ran 1.12x faster than in
+    # 144 64x512 ones (1.1 waves), and 16x6144x90112 in 352 (2.7 waves) 1.12x
+    # faster than in 176 (1.3 waves).
+    hbm_us *= 2 * sm_count / work_items
   kernel_us = (compute_us ** _OVERLAP_NORM + hbm_us ** _OVERLAP_NORM) ** (1 / _OVERLAP_NORM)
   sum_us = _SPLIT_SUM_US + partial_bytes / _SPLIT_SUM_BYTES_PER_US if splits > 1 else 0.0
   return kernel_us + sum_us
@@ -560,7 +562,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   rows the model has the other tiles stream the weights at 0.8 of that tile's rate
   (`_DECODE_OTHER_TILES_HBM_SHARE`; 16x8192x10240: 64x256 tiles in 2 ranges
   ran 1.18x faster than the unsplit 64x128 ones it had level). A stream of
-  more work items than SMs costs whole waves, and an unsplit 64x512 tile
+  one to two waves of work items costs two whole waves, and an unsplit 64x512 tile
   streams twice the columns of a 64x256 one (`_WIDE_DECODE_TILE`;
   16x5120x55296: 108 of them in one wave ran 1.09x (bf16) and 1.12x (f16)
   faster than 216 64x256 tiles in 1.6 waves, level with cuBLAS). Where

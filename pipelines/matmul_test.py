@@ -406,6 +406,10 @@ class ConfigChoiceTest(parameterized.TestCase):
                                 ((64, 3584, 37888), (64, 512, 1)),
                                 # 4.5 waves of 64x256 tiles, 2.3 of 64x512 ones.
                                 ((16, 5120, 152064), (64, 256, 1)),
+                                ((64, 3584, 152064), (64, 256, 1)),
+                                # 2.2 waves of 64x256 tiles: 1.12x faster than
+                                # 1.1 of 64x512, 1.27x than 128x192 tiles.
+                                ((8, 8192, 73728), (64, 256, 1)),
                                 # One wave of 64x256 tiles: 64x512 ones ran 1.28x slower.
                                 ((64, 4096, 28672), (64, 256, 1)),
                                 # One 64-row tile more: 128-row tiles again.
