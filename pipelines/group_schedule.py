@@ -115,7 +115,11 @@ def group_tiles(group_sizes: jax.Array, m: int, tile_m: int) -> GroupTiles:
   tiles_end = jnp.cumsum(tiles)
   t = jnp.arange(max_group_tiles(m, num_groups, tile_m), dtype=jnp.int32)
   # The group of entry t: the first whose tiles end past t (G for the rest).
-  group = jnp.minimum(jnp.searchsorted(tiles_end, t, side="right"), num_groups)
+  # Counted by comparing every entry with every group's end, which XLA fuses
+  # into one kernel: the default binary search is a loop, and on the GPU
+  # each of its iterations is kernels of its own, run before every call.
+  group = jnp.minimum(jnp.searchsorted(tiles_end, t, side="right", method="compare_all"),
+                      num_groups)
   window = windows_start[group] + (t - (tiles_end[group] - tiles[group])) * tile_m
   row_start = jnp.maximum(window, starts[group])
   rows = jnp.clip(jnp.minimum(ends[group], window + tile_m) - row_start, 0, tile_m)

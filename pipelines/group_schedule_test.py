@@ -1,5 +1,7 @@
 """`group_tiles` against a row-by-row account of which group owns each row."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,18 @@ def owners(group_sizes, m):
     owner[row:row + take] = g
     row += take
   return owner
+
+
+def loops(jaxpr):
+  """The names of the loop primitives in `jaxpr` and the jaxprs inside it."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("scan", "while"):
+      yield eqn.primitive.name
+    for param in eqn.params.values():
+      for value in param if isinstance(param, tuple) else (param,):
+        inner = getattr(value, "jaxpr", value)  # A closed jaxpr's, or a jaxpr.
+        if hasattr(inner, "eqns"):
+          yield from loops(inner)
 
 
 class GroupTilesTest(parameterized.TestCase):
@@ -67,6 +81,13 @@ class GroupTilesTest(parameterized.TestCase):
     for sizes in ([256, 0, 0], [1, 2, 253], [0, 0, 0]):
       tiles(jnp.array(sizes, jnp.int32))
     self.assertLen(traces, 1)
+
+  def test_table_has_no_loop(self):
+    # On the GPU a loop runs kernels per iteration ahead of every grouped
+    # matmul; the table must be a few fused ops, whatever G is.
+    jaxpr = jax.make_jaxpr(lambda sizes: dataclasses.astuple(group_tiles(sizes, 4096, TILE_M)))(
+        jnp.ones((64,), jnp.int32))
+    self.assertEmpty(sorted(loops(jaxpr.jaxpr)))
 
   def test_tile_m_must_be_whole_windows(self):
     with self.assertRaisesRegex(ValueError, r"tile_m=60 must be a multiple of 8"):
