@@ -173,14 +173,19 @@ class Fp8Config:
   def pipeline(self) -> PipelineOptions:
     return PipelineOptions(max_concurrent_steps=self.max_concurrent_steps)
 
-  def smem_budget(self, k_steps: int, out_dtype, *, has_bias: bool) -> SmemBudget:
+  def smem_budget(self, k_steps: int, out_dtype, *, has_bias: bool,
+                  rhs_row_scales: bool = False) -> SmemBudget:
     """The SMEM of a problem of `k_steps` K steps: the operand and LHS-scale
     slots and the RHS's scales for the tile's column block (and its bias)
-    through the K loop, then the output's staging tile."""
+    through the K loop, then the output's staging tile. With
+    `rhs_row_scales` the RHS's scales are one per row, in slots beside the
+    LHS's."""
     steps = self.pipeline.steps_for(k_steps)
     cta_m = self.cta_tile_m
-    tile_constants = [SmemBuffer(name="rhs_scales_smem", shape=(self.scale_row_length(k_steps),),
-                                 dtype=jnp.float32)]
+    tile_constants = []
+    if not rhs_row_scales:
+      tile_constants.append(SmemBuffer(name="rhs_scales_smem",
+                                       shape=(self.scale_row_length(k_steps),), dtype=jnp.float32))
     if has_bias:
       tile_constants.append(SmemBuffer(name="bias_smem", shape=(self.TILE_N,),
                                        dtype=jnp.float32))
@@ -190,6 +195,10 @@ class Fp8Config:
                         copies=steps),
              SmemBuffer(name="lhs_scales_smem", shape=(1, cta_m), dtype=jnp.float32,
                         copies=steps))
+    if rhs_row_scales:
+      slots += (SmemBuffer(name="rhs_scales_smem", shape=(1, self.TILE_N), dtype=jnp.float32,
+                           copies=steps),)
+    constants_barriers = 1 if tile_constants else 0
     out_smem = [SmemBuffer(name="out_smem", shape=(cta_m, self.TILE_N), dtype=out_dtype)]
     if jnp.dtype(out_dtype) == FP8_DTYPE:  # And its scales, one per row.
       out_smem.append(SmemBuffer(name="out_scales_smem", shape=(self.compute_wgs, 1, self.TILE_M),
@@ -198,7 +207,7 @@ class Fp8Config:
       # The K loop, then the epilogue's staging tiles in a scope of their
       # own; one TMA-completion barrier per slot, one for the tile's constants.
       return SmemBudget(phases=((*slots, *tile_constants), (*tile_constants, *out_smem)),
-                        num_barriers=steps + 1)
+                        num_barriers=steps + constants_barriers)
     if self.runs_persistent:
       # Each compute warpgroup keeps its own copy of the tile's constants, each
       # row padded to 128 bytes, with its own barrier.
@@ -206,10 +215,11 @@ class Fp8Config:
           buffer, shape=(self.compute_wgs, self.constants_row_length(buffer.shape[0])))
           for buffer in tile_constants]
       return SmemBudget(phases=((*slots, *tile_constants, *out_smem),),
-                        num_barriers=2 * steps + self.compute_wgs)
+                        num_barriers=2 * steps + self.compute_wgs * constants_barriers)
     # Every warpgroup's staging tiles are allocated beside the pipeline; each
     # slot has a loaded and a consumed barrier.
-    return SmemBudget(phases=((*slots, *tile_constants, *out_smem),), num_barriers=2 * steps + 1)
+    return SmemBudget(phases=((*slots, *tile_constants, *out_smem),),
+                      num_barriers=2 * steps + constants_barriers)
 
   @staticmethod
   def constants_row_length(length: int) -> int:

@@ -41,13 +41,16 @@ def _check_fp8_operand(name: str, x) -> None:
                      f"(quantize_fp8 makes it)")
 
 
-def _check_scales(name: str, scales, expected: tuple[int, int], what: str) -> None:
+def _check_scales(name: str, scales, expected: dict[tuple[int, int], str]) -> None:
+  """Raises unless `scales` is float32 of shape () or one of `expected`'s
+  shapes (keys; the values say what each means)."""
   if not hasattr(scales, "dtype") or jnp.dtype(scales.dtype) != jnp.float32:
     raise ValueError(f"{name} must be a float32 array, got "
                      f"{getattr(scales, 'dtype', type(scales).__name__)}")
-  if scales.shape not in ((), expected):
-    raise ValueError(f"{name} must have shape {expected} ({what}) or () (one scale for the "
-                     f"tensor), got {name}.shape={scales.shape}")
+  if scales.shape != () and scales.shape not in expected:
+    shapes = " or ".join(f"{shape} ({what})" for shape, what in expected.items())
+    raise ValueError(f"{name} must have shape {shapes} or () (one scale for the tensor), got "
+                     f"{name}.shape={scales.shape}")
 
 
 def _checked_config(config: Fp8Config | None) -> Fp8Config:
@@ -67,10 +70,13 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
     lhs: (M, K) float8_e4m3fn, quantized in (1, 128) blocks (`quantize_fp8`).
     rhs: (N, K) float8_e4m3fn: the weight stored transposed (wgmma reads
       8-bit operands K-major only), quantized in (128, 128) blocks, e.g.
-      `quantize_fp8(w.T, SQUARE_BLOCK)` for a (K, N) weight `w`.
+      `quantize_fp8(w.T, SQUARE_BLOCK)` for a (K, N) weight `w`; or in (1,
+      128) blocks as the LHS is (`quantize_fp8(g.T, ROW_BLOCK)` for a
+      weight gradient's cotangent `g`, whose columns differ in size).
     lhs_scales: (M, ceil(K / 128)) float32, or () for one scale for all of
       lhs.
-    rhs_scales: (ceil(N / 128), ceil(K / 128)) float32, or ().
+    rhs_scales: (ceil(N / 128), ceil(K / 128)) float32 for (128, 128)
+      blocks, (N, ceil(K / 128)) for (1, 128) blocks, or ().
     bias: (N,) of any float dtype, added in float32, or None.
     activation: "none", "relu", "gelu" (tanh approximation) or "silu".
     out_dtype: bfloat16 (default), float16 or float32; or float8_e4m3fn
@@ -102,8 +108,12 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
     raise ValueError(f"K of lhs (M, K) and rhs (N, K) differ: {lhs.shape=}, {rhs.shape=}")
   lhs_scales_shape = scales_shape((m, k), ROW_BLOCK)
   rhs_scales_shape = scales_shape((n, k), SQUARE_BLOCK)
-  _check_scales("lhs_scales", lhs_scales, lhs_scales_shape, "one per row and 128 of K")
-  _check_scales("rhs_scales", rhs_scales, rhs_scales_shape, "one per 128 of N and 128 of K")
+  rhs_row_scales_shape = scales_shape((n, k), ROW_BLOCK)
+  _check_scales("lhs_scales", lhs_scales, {lhs_scales_shape: "one per row and 128 of K"})
+  _check_scales("rhs_scales", rhs_scales, {rhs_scales_shape: "one per 128 of N and 128 of K",
+                                           rhs_row_scales_shape: "one per row and 128 of K"})
+  # With N = 1 the two shapes are one, and mean the same.
+  rhs_row_scales = rhs_scales.shape == rhs_row_scales_shape != rhs_scales_shape
   if jnp.dtype(out_dtype) != FP8_DTYPE:
     out_dtype = operands.check_out_dtype(out_dtype, jnp.bfloat16)
   epilogue = Epilogue(activation=activation, has_bias=bias is not None)
@@ -120,10 +130,11 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
                                  out_dtype=out_dtype, layout=_NT,
                                  column_scales=jnp.full((n,), lhs_scales * rhs_scales))
   lhs_scales = jnp.broadcast_to(lhs_scales, lhs_scales_shape)
-  rhs_scales = jnp.broadcast_to(rhs_scales, rhs_scales_shape)
+  rhs_scales = jnp.broadcast_to(rhs_scales,
+                                rhs_row_scales_shape if rhs_row_scales else rhs_scales_shape)
   return kernel_call.fp8_block_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, bias,
                                              config=config, epilogue=epilogue,
-                                             out_dtype=out_dtype)
+                                             out_dtype=out_dtype, rhs_row_scales=rhs_row_scales)
 
 
 def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
@@ -134,8 +145,11 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
   (128, 128) blocks, and runs `fp8_matmul`. The backward (a
   `jax.custom_vjp`), as FP8 training recipes do, quantizes the cotangent g
   too: d x = g @ w.T multiplies g in (1, 128) blocks by w quantized as
-  stored, (K, N) in (128, 128) blocks; d w = x.T @ g multiplies x.T in
-  (1, 128) blocks (along M) by g.T in (128, 128) blocks. Each quantization
+  stored, (K, N) in (128, 128) blocks; d w = x.T @ g multiplies x.T by g.T,
+  both in (1, 128) blocks along M: each column of g (an output feature)
+  gets scales of its own, as each row of x.T does, since a cotangent's
+  columns can differ by orders of magnitude, which one scale per 128 of
+  them would flush to zero. Each quantization
   is one XLA fusion that reads its operand once (the transposes happen in
   it); the products run on `fp8_matmul`. d bias is g's column sum in float32.
 
@@ -164,10 +178,11 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
 
 @functools.cache
 def _make_fp8_linear(config: Fp8Config, has_bias: bool):
-  def product(lhs_rows, rhs_rows, out_dtype, bias=None):
-    """lhs_rows @ rhs_rows.T (+ bias), each quantized along its rows (the contraction)."""
+  def product(lhs_rows, rhs_rows, out_dtype, bias=None, rhs_block=SQUARE_BLOCK):
+    """lhs_rows @ rhs_rows.T (+ bias), each quantized along its rows (the
+    contraction): the LHS in (1, 128) blocks, the RHS in `rhs_block`s."""
     lhs, lhs_scales = quantize_fp8(lhs_rows, ROW_BLOCK)
-    rhs, rhs_scales = quantize_fp8(rhs_rows, SQUARE_BLOCK)
+    rhs, rhs_scales = quantize_fp8(rhs_rows, rhs_block)
     return fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, bias, out_dtype=out_dtype,
                       config=config)
 
@@ -181,7 +196,7 @@ def _make_fp8_linear(config: Fp8Config, has_bias: bool):
   def backward(residuals, g):
     x, w, bias = residuals
     d_x = product(g, w, x.dtype)
-    d_w = product(x.T, g.T, w.dtype)
+    d_w = product(x.T, g.T, w.dtype, rhs_block=ROW_BLOCK)
     d_bias = tuple(jnp.sum(g.astype(jnp.float32), axis=0).astype(b.dtype) for b in bias)
     return tuple(cotangent_like(ct, primal)
                  for ct, primal in zip((d_x, d_w, *d_bias), (x, w, *bias), strict=True))

@@ -14,6 +14,12 @@ wgmmas into a fresh accumulator, and the warpgroup adds that block's product,
 times its scales (the LHS row's for the block, and the RHS block's), to a
 float32 running sum in registers: the error of the tensor cores' sum spans
 one block, whatever K is, and the scales never enter the 8-bit operands.
+
+The RHS has one scale per (TILE_N, TILE_K) block, which each tile keeps in
+SMEM for its whole K loop; or, with `rhs_row_scales`, one per row (an output
+column) and K block, which the pipeline loads with each K step, as it loads
+the LHS rows' scales: a weight gradient's RHS is a cotangent, whose columns
+FP8 training recipes scale one by one.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS
 
 
 def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
-                    config: Fp8Config, epilogue: Epilogue) -> None:
+                    config: Fp8Config, epilogue: Epilogue, rhs_row_scales: bool = False) -> None:
   """Emits this block's tile of `out = epilogue(dequantized lhs @ dequantized rhs.T + bias)`.
 
   Must be called from a kernel with grid axes `M_AXIS` and `N_AXIS` over the
@@ -47,38 +53,45 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
       of K, stored transposed, so that a step's scales for the tile's rows are
       one contiguous TMA copy.
     rhs_scales_gmem: (N // TILE_N, L) float32: each column block's scales per
-      K step, padded to L = `Fp8Config.scale_row_length(K // TILE_K)`.
+      K step, padded to L = `Fp8Config.scale_row_length(K // TILE_K)`; with
+      `rhs_row_scales`, (K // TILE_K, N) float32: each RHS row's scale per K
+      step, stored transposed as the LHS's are.
     rest: the (N,) float32 bias GMEM ref if `epilogue.has_bias`, then the
       (M, N) output; M and N multiples of the tile. An e4m3 output is
       quantized in (1, TILE_N) blocks, and its scales follow it, stored
       transposed: (N // TILE_N, M) float32.
     config: the pipeline depth.
     epilogue: bias and activation, applied to the float32 sum.
+    rhs_row_scales: which of the two forms `rhs_scales_gmem` has.
   """
   bias_gmem, out_gmem, out_scales_gmem = _outputs(rest, epilogue)
+  block_scales_gmem = None if rhs_row_scales else rhs_scales_gmem
   tile_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
   k_steps = lhs_gmem.shape[1] // tile_k
   m_index, n_index = lax.axis_index(M_AXIS), lax.axis_index(N_AXIS)
   m_slice = pl.ds(m_index * tile_m, tile_m)
   n_slice = pl.ds(n_index * tile_n, tile_n)
 
-  def with_tile_constants(rhs_scales_smem, constants_loaded, bias_smem=None):
-    _load_tile_constants(rhs_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
-                         constants_loaded)
-    plgpu.barrier_wait(constants_loaded)
+  def with_tile_constants(rhs_scales_smem=None, constants_loaded=None, bias_smem=None):
+    if constants_loaded is not None:
+      _load_tile_constants(block_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
+                           constants_loaded)
+      plgpu.barrier_wait(constants_loaded)
 
-    def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
-      (k,) = indices
+    def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, *rest):
+      *column_scales_smem, running_sum = rest
       return _add_scaled_block_product(running_sum, lhs_smem, rhs_smem, lhs_scales_smem.at[0],
-                                       rhs_scales_smem[k])
+                                       **_rhs_scales_of_step(indices, rhs_scales_smem,
+                                                             column_scales_smem))
 
     total = plgpu.emit_pipeline(
         step,
         grid=(k_steps,),
-        in_specs=_operand_specs(tile_m, config, lhs_gmem.dtype),
+        in_specs=_operand_specs(tile_m, config, lhs_gmem.dtype, rhs_row_scales),
         max_concurrent_steps=config.pipeline.steps_for(k_steps),
         init_carry=_zeros((tile_m, tile_n)),
-    )(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
+    )(*_operand_tiles(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, m_slice, n_slice,
+                      rhs_row_scales))
     out = _finish(total, bias_smem, epilogue)
 
     def store(out_smem, out_scales_smem=None):
@@ -88,11 +101,12 @@ def emit_fp8_matmul(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
     pl.run_scoped(store, smem((tile_m, tile_n), out_gmem.dtype, swizzled=True),
                   **_scales_scratch(out_scales_gmem, (1, tile_m)))
 
-  pl.run_scoped(with_tile_constants, **_tile_constants_scratch(rhs_scales_gmem, epilogue))
+  pl.run_scoped(with_tile_constants, **_tile_constants_scratch(block_scales_gmem, epilogue))
 
 
 def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem,
-                                     *rest, config: Fp8Config, epilogue: Epilogue) -> None:
+                                     *rest, config: Fp8Config, epilogue: Epilogue,
+                                     rhs_row_scales: bool = False) -> None:
   """`emit_fp8_matmul` on (128, TILE_N) tiles: two compute warpgroups, one per
   64 rows, and a memory warpgroup that loads each step's operands once for
   both (twice the multiply-adds per byte read of one warpgroup's tile).
@@ -103,6 +117,7 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
   `emit_fp8_matmul`'s, with M a multiple of 128.
   """
   bias_gmem, out_gmem, out_scales_gmem = _outputs(rest, epilogue)
+  block_scales_gmem = None if rhs_row_scales else rhs_scales_gmem
   wg_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
   cta_m = NUM_COMPUTE_WGS * wg_m
   k_steps = lhs_gmem.shape[1] // tile_k
@@ -112,23 +127,27 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
   n_slice = pl.ds(n_index * tile_n, tile_n)
   wg_rows = pl.ds(wg * wg_m, wg_m)
 
-  def scoped(out_smem, rhs_scales_smem, constants_loaded, bias_smem=None, out_scales_smem=None):
-    def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
+  def scoped(out_smem, rhs_scales_smem=None, constants_loaded=None, bias_smem=None,
+             out_scales_smem=None):
+    def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, *rest):
       # The memory warpgroup refills the step's slots once both compute
       # warpgroups have released them, after this returns.
-      (k,) = indices
+      *column_scales_smem, running_sum = rest
       return _add_scaled_block_product(running_sum, lhs_smem.at[wg_rows], rhs_smem,
-                                       lhs_scales_smem.at[0, wg_rows], rhs_scales_smem[k])
+                                       lhs_scales_smem.at[0, wg_rows],
+                                       **_rhs_scales_of_step(indices, rhs_scales_smem,
+                                                             column_scales_smem))
 
     def compute_context(run_pipeline):
-      # The tile's constants, loaded once by the first compute warpgroup;
-      # both wait for them.
-      @pl.when(wg == 0)
-      def _load_constants():
-        _load_tile_constants(rhs_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
-                             constants_loaded)
+      if constants_loaded is not None:
+        # The tile's constants, loaded once by the first compute warpgroup;
+        # both wait for them.
+        @pl.when(wg == 0)
+        def _load_constants():
+          _load_tile_constants(block_scales_gmem, bias_gmem, n_index, rhs_scales_smem,
+                               bias_smem, constants_loaded)
 
-      plgpu.barrier_wait(constants_loaded)
+        plgpu.barrier_wait(constants_loaded)
       total = run_pipeline(_zeros((wg_m, tile_n)))
       # Each warpgroup stages its rows in its own SMEM tiles.
       scales_row = _scales_row(out_scales_gmem, n_index, m_slice)
@@ -138,18 +157,21 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
                     None if scales_row is None else scales_row.at[:, wg_rows])
 
     _warp_specialized_pipeline(step, compute_context, rows=cta_m, k_steps=k_steps,
-                               config=config, dtype=lhs_gmem.dtype)(
-        lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
+                               config=config, dtype=lhs_gmem.dtype,
+                               rhs_row_scales=rhs_row_scales)(
+        *_operand_tiles(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, m_slice, n_slice,
+                        rhs_row_scales))
 
   # Allocated once for all warpgroups of the block.
   pl.run_scoped(scoped, smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
-                **_tile_constants_scratch(rhs_scales_gmem, epilogue),
+                **_tile_constants_scratch(block_scales_gmem, epilogue),
                 **_scales_scratch(out_scales_gmem, (NUM_COMPUTE_WGS, 1, wg_m)),
                 collective_axes=WG_AXIS)
 
 
 def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
-                               config: Fp8Config, epilogue: Epilogue) -> None:
+                               config: Fp8Config, epilogue: Epilogue,
+                               rhs_row_scales: bool = False) -> None:
   """`emit_fp8_matmul_warp_specialized`'s (128, TILE_N) tiles, walked by one
   persistent block per SM (`persistent_sm90.for_each_work_item`, in
   `config.tile_order`).
@@ -163,6 +185,7 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
   `emit_fp8_matmul`'s, with M a multiple of 128.
   """
   bias_gmem, out_gmem, out_scales_gmem = _outputs(rest, epilogue)
+  block_scales_gmem = None if rhs_row_scales else rhs_scales_gmem
   wg_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
   cta_m = NUM_COMPUTE_WGS * wg_m
   m, k = lhs_gmem.shape
@@ -173,36 +196,42 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
 
   def pipeline(step, compute_context):
     return _warp_specialized_pipeline(step, compute_context, rows=cta_m, k_steps=k_steps,
-                                      config=config, dtype=lhs_gmem.dtype)
+                                      config=config, dtype=lhs_gmem.dtype,
+                                      rhs_row_scales=rhs_row_scales)
 
   def ignore(*_, **__):
     return None
 
+  column_scales = ((jax.ShapeDtypeStruct((k_steps, tile_n), jnp.float32),) if rhs_row_scales
+                   else ())
   pipeline_allocs = pipeline(ignore, ignore).get_allocations(
       jax.ShapeDtypeStruct((cta_m, k), lhs_gmem.dtype),
       jax.ShapeDtypeStruct((tile_n, k), rhs_gmem.dtype),
-      jax.ShapeDtypeStruct((k_steps, cta_m), jnp.float32))
+      jax.ShapeDtypeStruct((k_steps, cta_m), jnp.float32), *column_scales)
 
-  def scoped(pipeline_allocs, out_smem, rhs_scales_smem, constants_loaded, bias_smem=None,
-             out_scales_smem=None):
+  def scoped(pipeline_allocs, out_smem, rhs_scales_smem=None, constants_loaded=None,
+             bias_smem=None, out_scales_smem=None):
     def work_item(_, m_tile, n_tile, __):
       m_slice = pl.ds(m_tile * cta_m, cta_m)
       n_slice = pl.ds(n_tile * tile_n, tile_n)
 
-      def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, running_sum):
-        (kk,) = indices
-        return _add_scaled_block_product(running_sum, lhs_smem.at[wg_rows], rhs_smem,
-                                         lhs_scales_smem.at[0, wg_rows],
-                                         rhs_scales_smem[wg, kk])
+      def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, *rest):
+        *column_scales_smem, running_sum = rest
+        return _add_scaled_block_product(
+            running_sum, lhs_smem.at[wg_rows], rhs_smem, lhs_scales_smem.at[0, wg_rows],
+            **_rhs_scales_of_step(indices, None if rhs_scales_smem is None else
+                                  rhs_scales_smem.at[wg], column_scales_smem))
 
       def compute_context(run_pipeline):
-        # The last tile's reads of these constants (register loads) come
-        # before the copies that overwrite them.
-        plgpu.commit_smem()
-        _load_tile_constants(rhs_scales_gmem, bias_gmem, n_tile, rhs_scales_smem.at[wg],
-                             None if bias_smem is None else bias_smem.at[wg],
-                             constants_loaded.at[wg])
-        plgpu.barrier_wait(constants_loaded.at[wg])
+        if constants_loaded is not None:
+          # The last tile's reads of these constants (register loads) come
+          # before the copies that overwrite them.
+          plgpu.commit_smem()
+          _load_tile_constants(block_scales_gmem, bias_gmem, n_tile,
+                               None if rhs_scales_smem is None else rhs_scales_smem.at[wg],
+                               None if bias_smem is None else bias_smem.at[wg],
+                               constants_loaded.at[wg])
+          plgpu.barrier_wait(constants_loaded.at[wg])
         total = run_pipeline(_zeros((wg_m, tile_n)))
         scales_row = _scales_row(out_scales_gmem, n_tile, m_slice)
         _store_output(_finish(total, None if bias_smem is None else bias_smem.at[wg], epilogue),
@@ -210,29 +239,30 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
                       None if out_scales_smem is None else out_scales_smem.at[wg],
                       None if scales_row is None else scales_row.at[:, wg_rows])
 
-      pipeline(step, compute_context)(lhs_gmem.at[m_slice], rhs_gmem.at[n_slice],
-                                      lhs_scales_gmem.at[:, m_slice],
-                                      allocations=pipeline_allocs)
+      pipeline(step, compute_context)(
+          *_operand_tiles(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, m_slice,
+                          n_slice, rhs_row_scales),
+          allocations=pipeline_allocs)
 
     for_each_work_item(config.tile_order, m // cta_m, n_tiles, work_item)
 
   # Allocated once for all warpgroups of the block, and for all its tiles.
   pl.run_scoped(scoped, pipeline_allocs=pipeline_allocs,
                 out_smem=smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
-                **_tile_constants_scratch(rhs_scales_gmem, epilogue, copies=NUM_COMPUTE_WGS),
+                **_tile_constants_scratch(block_scales_gmem, epilogue, copies=NUM_COMPUTE_WGS),
                 **_scales_scratch(out_scales_gmem, (NUM_COMPUTE_WGS, 1, wg_m)),
                 collective_axes=WG_AXIS)
 
 
 def _warp_specialized_pipeline(step, compute_context, *, rows: int, k_steps: int,
-                               config: Fp8Config, dtype):
+                               config: Fp8Config, dtype, rhs_row_scales: bool):
   """The memory warpgroup's pipeline of a (rows, TILE_N) tile's K steps
   (`_operand_specs`), feeding `step` in `NUM_COMPUTE_WGS` compute warpgroups."""
   return plgpu.emit_pipeline_warp_specialized(
       step,
       grid=(k_steps,),
       memory_registers=MEMORY_WG_REGISTERS,
-      in_specs=_operand_specs(rows, config, dtype),
+      in_specs=_operand_specs(rows, config, dtype, rhs_row_scales),
       wg_axis=WG_AXIS,
       num_compute_wgs=NUM_COMPUTE_WGS,
       max_concurrent_steps=config.pipeline.steps_for(k_steps),
@@ -245,9 +275,21 @@ def _zeros(shape: tuple[int, int]) -> jax.Array:
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_smem,
-                              rhs_scale) -> jax.Array:
-  """`running_sum` + (lhs_operand @ rhs_smem.T) * row_scales * rhs_scale: one
+def _rhs_scales_of_step(indices, block_scales_smem, column_scales_smem) -> dict:
+  """A step's RHS scales, as `_add_scaled_block_product`'s keywords: its
+  block's scale (a scalar from the tile's `block_scales_smem` row), or the
+  (TILE_N,) SMEM row of its columns' scales (the pipeline's slot,
+  `column_scales_smem` = [it], empty without `rhs_row_scales`)."""
+  if column_scales_smem:
+    (column_scales,) = column_scales_smem
+    return dict(column_scales_smem=column_scales.at[0])
+  (k,) = indices
+  return dict(rhs_scale=block_scales_smem[k])
+
+
+def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_smem, *,
+                              rhs_scale=None, column_scales_smem=None) -> jax.Array:
+  """`running_sum` + (lhs_operand @ rhs_smem.T) * row_scales * rhs_scales: one
   K step's product, on the tensor cores into a fresh accumulator, scaled and
   added in float32 registers.
 
@@ -256,7 +298,9 @@ def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_sme
     lhs_operand: (rows, TILE_K) e4m3 SMEM tile of the step.
     rhs_smem: (TILE_N, TILE_K) e4m3 SMEM tile of the step (K-major).
     row_scales_smem: (rows,) float32 SMEM, the LHS rows' scales of the step.
-    rhs_scale: the RHS block's scale of the step (a float32 scalar).
+    rhs_scale: the RHS block's scale of the step (a float32 scalar); or
+    column_scales_smem: (TILE_N,) float32 SMEM, the RHS rows' (the output
+      columns') scales of the step.
   """
   def block_product(acc_ref):
     plgpu.wgmma(acc_ref, lhs_operand, rhs_smem.T)
@@ -268,10 +312,16 @@ def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_sme
   # One value per accumulator row: a plain load does (the optimized vector
   # loads are for the layouts of whole tiles).
   row_scales = plgpu.load(row_scales_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-  # The pipeline refills the step's slots by TMA after the step: order this
-  # register load of the scales before that write to them.
+  if column_scales_smem is None:
+    scales = lax.broadcast_in_dim(row_scales * rhs_scale, product.shape, (0,))
+  else:
+    # Per column as well: one more multiply an element.
+    column_scales = plgpu.load(column_scales_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+    scales = (lax.broadcast_in_dim(row_scales, product.shape, (0,))
+              * lax.broadcast_in_dim(column_scales, product.shape, (1,)))
+  # The pipeline refills the step's slots by TMA after the step: order these
+  # register loads of the scales before that write to them.
   plgpu.commit_smem()
-  scales = lax.broadcast_in_dim(row_scales * rhs_scale, product.shape, (0,))
   return running_sum + product * scales
 
 
@@ -292,44 +342,63 @@ def _outputs(rest, epilogue: Epilogue):
   return bias_gmem, out_gmem, (out_scales[0] if out_scales else None)
 
 
-def _operand_specs(rows: int, config: Fp8Config, dtype) -> list:
+def _operand_specs(rows: int, config: Fp8Config, dtype, rhs_row_scales: bool) -> list:
   """The pipeline's inputs per K step: `rows` of the LHS and the tile's
-  columns of the RHS, K-major and swizzled for wgmma, and the LHS rows'
-  scales of the step."""
+  columns of the RHS, K-major and swizzled for wgmma, the LHS rows' scales
+  of the step and, with `rhs_row_scales`, the RHS rows' (`_operand_tiles`)."""
   transforms = tile_transforms(config.TILE_K, dtype)
-  return [plgpu.BlockSpec((rows, config.TILE_K), lambda k: (0, k), transforms=transforms),
-          plgpu.BlockSpec((config.TILE_N, config.TILE_K), lambda k: (0, k),
-                          transforms=transforms),
-          plgpu.BlockSpec((1, rows), lambda k: (k, 0))]
+  specs = [plgpu.BlockSpec((rows, config.TILE_K), lambda k: (0, k), transforms=transforms),
+           plgpu.BlockSpec((config.TILE_N, config.TILE_K), lambda k: (0, k),
+                           transforms=transforms),
+           plgpu.BlockSpec((1, rows), lambda k: (k, 0))]
+  if rhs_row_scales:
+    specs.append(plgpu.BlockSpec((1, config.TILE_N), lambda k: (k, 0)))
+  return specs
 
 
-def _tile_constants_scratch(rhs_scales_gmem, epilogue: Epilogue, copies: int | None = None
+def _operand_tiles(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, m_slice, n_slice,
+                   rhs_row_scales: bool) -> tuple:
+  """The GMEM refs of a tile's pipeline inputs (`_operand_specs`): its rows of
+  the LHS and their scales, its columns of the RHS and, with
+  `rhs_row_scales`, their scales (the block scales are the tile's constants)."""
+  tiles = (lhs_gmem.at[m_slice], rhs_gmem.at[n_slice], lhs_scales_gmem.at[:, m_slice])
+  return (*tiles, rhs_scales_gmem.at[:, n_slice]) if rhs_row_scales else tiles
+
+
+def _tile_constants_scratch(block_scales_gmem, epilogue: Epilogue, copies: int | None = None
                             ) -> dict:
   """The SMEM of a tile's constants, read by every K step and the epilogue:
-  its column block's RHS scales (`rhs_scales_smem`), its bias (`bias_smem`,
-  if any), and the barrier their copies arrive on, once each. With `copies`,
-  that many of each (the persistent kernel's one per compute warpgroup), each
-  row padded to `Fp8Config.constants_row_length`, and a barrier per copy."""
-  scale_copies = len(tma_boxes(rhs_scales_gmem.shape[1]))
+  its column block's RHS scales (`rhs_scales_smem`, unless
+  `block_scales_gmem` is None: the RHS is scaled per row), its bias
+  (`bias_smem`, if any), and the barrier their copies arrive on, once each;
+  none of these where there is neither. With `copies`, that many of each
+  (the persistent kernel's one per compute warpgroup), each row padded to
+  `Fp8Config.constants_row_length`, and a barrier per copy."""
+  scale_copies = 0 if block_scales_gmem is None else len(tma_boxes(block_scales_gmem.shape[1]))
   arrivals = scale_copies + epilogue.has_bias
+  if not arrivals:
+    return {}
 
   def row(length):
     return (length,) if copies is None else (copies, Fp8Config.constants_row_length(length))
-  scratch = dict(rhs_scales_smem=plgpu.SMEM(row(rhs_scales_gmem.shape[1]), jnp.float32),
-                 constants_loaded=barrier(num_arrivals=arrivals, num_barriers=copies or 1))
+  scratch = dict(constants_loaded=barrier(num_arrivals=arrivals, num_barriers=copies or 1))
+  if block_scales_gmem is not None:
+    scratch["rhs_scales_smem"] = plgpu.SMEM(row(block_scales_gmem.shape[1]), jnp.float32)
   if epilogue.has_bias:
     scratch["bias_smem"] = plgpu.SMEM(row(Fp8Config.TILE_N), jnp.float32)
   return scratch
 
 
-def _load_tile_constants(rhs_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
+def _load_tile_constants(block_scales_gmem, bias_gmem, n_index, rhs_scales_smem, bias_smem,
                          constants_loaded) -> None:
-  """Starts the copies of column block `n_index`'s RHS scales and bias into
+  """Starts the copies of column block `n_index`'s RHS scales (unless
+  `block_scales_gmem` is None) and bias (if any) into
   `_tile_constants_scratch`'s SMEM. A row of more than `TMA_MAX_BOX` scales
   (K over 32768) takes several copies."""
-  for box in tma_boxes(rhs_scales_gmem.shape[1]):
-    plgpu.copy_gmem_to_smem(rhs_scales_gmem.at[n_index, box], rhs_scales_smem.at[box],
-                            constants_loaded)
+  if block_scales_gmem is not None:
+    for box in tma_boxes(block_scales_gmem.shape[1]):
+      plgpu.copy_gmem_to_smem(block_scales_gmem.at[n_index, box], rhs_scales_smem.at[box],
+                              constants_loaded)
   if bias_smem is not None:
     n_slice = pl.ds(n_index * Fp8Config.TILE_N, Fp8Config.TILE_N)
     plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem, constants_loaded)

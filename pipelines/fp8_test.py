@@ -50,28 +50,30 @@ OUTPUT_ROUNDING = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0
                    jnp.dtype(jnp.float32): 2.0**-23}
 
 
-def quantized_operands(seed: int, m: int, k: int, n: int):
+def quantized_operands(seed: int, m: int, k: int, n: int, rhs_block=SQUARE_BLOCK):
   """(lhs (M, K), rhs (N, K)) e4m3 and their block scales, quantized from
   random normal data whose magnitude varies by 2**4 between elements and by
   2**8 between blocks, so that every block's own scale matters (and a
-  float16 output does not overflow)."""
+  float16 output does not overflow); the RHS in `rhs_block`s, its
+  magnitudes varying between those blocks."""
   def spread(seed, shape, octaves=2):
     exponents = jax.random.randint(jax.random.key(seed + 100), shape, -octaves, octaves + 1)
     return testing.random_array(seed, shape, jnp.float32) * jnp.exp2(exponents)
 
   block_factors = spread(seed + 2, (m, -(-k // 128)), octaves=4) / 64
   lhs = spread(seed, (m, k)) * jnp.repeat(block_factors, 128, axis=1)[:, :k]
-  rhs_factors = spread(seed + 3, (-(-n // 128), -(-k // 128)), octaves=4)
-  rhs = spread(seed + 1, (n, k)) * jnp.repeat(jnp.repeat(rhs_factors, 128, 0), 128, 1)[:n, :k]
-  return (*quantize_fp8(lhs, ROW_BLOCK), *quantize_fp8(rhs, SQUARE_BLOCK))
+  rhs_factors = spread(seed + 3, scales_shape((n, k), rhs_block), octaves=4)
+  rhs_factors = jnp.repeat(jnp.repeat(rhs_factors, rhs_block[0], 0), rhs_block[1], 1)
+  rhs = spread(seed + 1, (n, k)) * rhs_factors[:n, :k]
+  return (*quantize_fp8(lhs, ROW_BLOCK), *quantize_fp8(rhs, rhs_block))
 
 
-def accumulation_bound(lhs, rhs, lhs_scales, rhs_scales) -> np.ndarray:
+def accumulation_bound(lhs, rhs, lhs_scales, rhs_scales, rhs_block=SQUARE_BLOCK) -> np.ndarray:
   """Each output element's bound from the kernel's summation (before the
   output's rounding): `SUM_OF_MAGNITUDES_BOUND` of the sum of its products'
   magnitudes, times the steepest activation's slope."""
   magnitudes = jnp.dot(jnp.abs(dequantize_fp8(lhs, lhs_scales, ROW_BLOCK)),
-                       jnp.abs(dequantize_fp8(rhs, rhs_scales, SQUARE_BLOCK)).T,
+                       jnp.abs(dequantize_fp8(rhs, rhs_scales, rhs_block)).T,
                        precision=jax.lax.Precision.HIGHEST)
   return ACTIVATION_SLOPE_BOUND * SUM_OF_MAGNITUDES_BOUND * np.asarray(magnitudes)
 
@@ -139,15 +141,16 @@ class Fp8MatmulTest(testing.KernelTestCase):
 
   config = Fp8Config(compute_wgs=1)
 
-  def check(self, m, k, n, *, seed, out_dtype=jnp.bfloat16, epilogue=Epilogue(), config=None):
+  def check(self, m, k, n, *, seed, out_dtype=jnp.bfloat16, epilogue=Epilogue(), config=None,
+            rhs_block=SQUARE_BLOCK):
     config = self.config if config is None else config
-    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(seed, m, k, n)
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(seed, m, k, n, rhs_block)
     bias = testing.random_array(seed + 3, (n,), jnp.float32) if epilogue.has_bias else None
     out = self.run_kernel(fp8_matmul, lhs, rhs, lhs_scales, rhs_scales, bias,
                           activation=epilogue.activation, out_dtype=out_dtype, config=config)
     ref = fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias, epilogue=epilogue)
     assert_product_close(self, out, ref, out_dtype,
-                         accumulation_bound(lhs, rhs, lhs_scales, rhs_scales))
+                         accumulation_bound(lhs, rhs, lhs_scales, rhs_scales, rhs_block))
     return out
 
   @parameterized.product(shape=[(128, 256, 256), (64, 128, 128)],
@@ -169,12 +172,12 @@ class Fp8MatmulTest(testing.KernelTestCase):
   def test_output_quantized_in_the_epilogue(self, m, k, n):
     self.check_quantized_output(m, k, n)
 
-  def check_quantized_output(self, m, k, n):
+  def check_quantized_output(self, m, k, n, rhs_block=SQUARE_BLOCK):
     """out_dtype=float8_e4m3fn: the output in (1, 128) blocks, its scales
     those `quantize_fp8` gives the float32 result (up to float32 summation),
     each element within e4m3's rounding of the reference; and it feeds the
     next `fp8_matmul` as its LHS."""
-    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(25, m, k, n)
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(25, m, k, n, rhs_block)
     bias = testing.random_array(26, (n,), jnp.float32)
     values, scales = self.run_kernel(fp8_matmul, lhs, rhs, lhs_scales, rhs_scales, bias,
                                      activation="gelu", out_dtype=jnp.float8_e4m3fn,
@@ -192,13 +195,25 @@ class Fp8MatmulTest(testing.KernelTestCase):
     scale_of_each = np.asarray(dequantize_fp8(jnp.ones((m, n), jnp.float8_e4m3fn), scales))
     bound = ((E4M3_RELATIVE_ROUNDING + 2e-3) * np.abs(ref)
              + E4M3_SUBNORMAL_ROUNDING * scale_of_each
-             + accumulation_bound(lhs, rhs, lhs_scales, rhs_scales))
+             + accumulation_bound(lhs, rhs, lhs_scales, rhs_scales, rhs_block))
     error = np.abs(np.asarray(dequantize_fp8(values, scales)) - ref)
     self.assertTrue(np.all(error <= bound), f"worst excess {np.nanmax(error - bound):.3g}")
     _, _, next_rhs, next_rhs_scales = quantized_operands(27, m, n, 64)
     out = self.run_kernel(fp8_matmul, values, next_rhs, scales, next_rhs_scales,
                           config=self.config)
     self.assertEqual(out.shape, (m, 64))
+
+  @parameterized.parameters(((128, 256, 256), False, jnp.bfloat16),
+                            ((100, 200, 136), True, jnp.float32),
+                            ((100, 200, 136), True, jnp.float8_e4m3fn))
+  def test_rhs_scaled_per_row(self, shape, has_bias, out_dtype):
+    """RHS scales per row and 128 of K (a weight gradient's cotangent), whose
+    magnitudes differ between rows: each step scales each column by its own."""
+    if jnp.dtype(out_dtype) == jnp.float8_e4m3fn:
+      self.check_quantized_output(*shape, rhs_block=ROW_BLOCK)
+    else:
+      self.check(*shape, seed=43, out_dtype=out_dtype, rhs_block=ROW_BLOCK,
+                 epilogue=Epilogue(activation="gelu", has_bias=has_bias))
 
   @parameterized.parameters(1, 2, 3)
   def test_pipeline_depths(self, steps):
@@ -262,6 +277,9 @@ class Fp8MatmulTest(testing.KernelTestCase):
       fp8_matmul(lhs, rhs[:, :128], lhs_scales, rhs_scales)
     with self.assertRaisesRegex(ValueError, r"lhs_scales must have shape \(64, 2\)"):
       fp8_matmul(lhs, rhs, lhs_scales.T, rhs_scales)
+    with self.assertRaisesRegex(ValueError, r"rhs_scales must have shape \(1, 2\) \(one per 128 "
+                                r"of N and 128 of K\) or \(128, 2\) \(one per row"):
+      fp8_matmul(lhs, rhs, lhs_scales, jnp.ones((64, 2), jnp.float32))
     with self.assertRaisesRegex(ValueError, "rhs_scales must be a float32 array"):
       fp8_matmul(lhs, rhs, lhs_scales, rhs_scales.astype(jnp.bfloat16))
     with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(128,\)"):
@@ -393,11 +411,11 @@ class Fp8LinearTest(testing.KernelTestCase):
     return (testing.random_array(31, (m, k), dtype), testing.random_array(32, (k, n), dtype),
             testing.random_array(33, (n,), jnp.float32), testing.random_array(34, (m, n), dtype))
 
-  def quantized_product(self, lhs_rows, rhs_rows, bias=None):
+  def quantized_product(self, lhs_rows, rhs_rows, bias=None, rhs_block=SQUARE_BLOCK):
     """The float32 reference of one of the layer's products, on the operands
     quantized as the layer quantizes them."""
     lhs, lhs_scales = quantize_fp8(lhs_rows, ROW_BLOCK)
-    rhs, rhs_scales = quantize_fp8(rhs_rows, SQUARE_BLOCK)
+    rhs, rhs_scales = quantize_fp8(rhs_rows, rhs_block)
     return fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias,
                                 epilogue=Epilogue(has_bias=bias is not None))
 
@@ -413,7 +431,8 @@ class Fp8LinearTest(testing.KernelTestCase):
     # Each product is the FP8 product of what the layer quantized ...
     self.assert_close(out, self.quantized_product(x, w.T, bias), dtype=jnp.bfloat16)
     self.assert_close(d_x, self.quantized_product(g, w), dtype=jnp.bfloat16)
-    self.assert_close(d_w, self.quantized_product(x.T, g.T), dtype=jnp.bfloat16)
+    self.assert_close(d_w, self.quantized_product(x.T, g.T, rhs_block=ROW_BLOCK),
+                      dtype=jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(d_bias), np.asarray(jnp.sum(g.astype(jnp.float32), 0)),
                                rtol=1e-5, atol=1e-4)
     # ... and the layer is within e4m3's error of the float32 one.
@@ -422,6 +441,18 @@ class Fp8LinearTest(testing.KernelTestCase):
     for name, got, want in zip(("out", "d_x", "d_w"), (out, d_x, d_w),
                                (exact[0], *exact_grads[:2]), strict=True):
       self.assertLess(relative_error(got, want), FP8_LAYER_TOLERANCE, name)
+
+  def test_weight_gradient_scales_each_output_column(self):
+    """d w of a cotangent whose odd columns are 2**-20 of its even ones: in
+    blocks of 128 columns the even ones' scale would round the odd ones to
+    zero; with a scale per column each is within e4m3's error."""
+    x, w, _, g = self.operands(128, 256, 256)
+    g = g * jnp.where(jnp.arange(256) % 2, 2.0**-20, 1.0).astype(g.dtype)
+    d_w = self.run_kernel(jax.jit(lambda x, w, g: jax.vjp(fp8_linear, x, w)[1](g)[1]), x, w, g)
+    want = x.astype(jnp.float32).T @ g.astype(jnp.float32)
+    for parity in (0, 1):
+      self.assertLess(relative_error(d_w[:, parity::2], want[:, parity::2]),
+                      FP8_LAYER_TOLERANCE, f"columns {parity}::2")
 
   def test_backward_lowers_for_the_gpu(self):
     x, w, _, g = self.operands(128, 256, 256)

@@ -624,22 +624,23 @@ def pipelined_matmul(lhs: jax.Array, rhs: jax.Array, *,
 
 def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array,
                             rhs_scales: jax.Array, bias: jax.Array | None, *,
-                            config: Fp8Config, epilogue: Epilogue, out_dtype) -> jax.Array:
+                            config: Fp8Config, epilogue: Epilogue, out_dtype,
+                            rhs_row_scales: bool = False) -> jax.Array:
   """The block-scaled FP8 kernel (`fp8_matmul_sm90`) on checked operands (`fp8.fp8_matmul`).
 
   Args:
     lhs: (M, K) float8_e4m3fn; rhs: (N, K) float8_e4m3fn.
     lhs_scales: (M, ceil(K / 128)) float32; rhs_scales: (ceil(N / 128),
-      ceil(K / 128)) float32.
+      ceil(K / 128)) float32, or with `rhs_row_scales` (N, ceil(K / 128)).
     bias: (N,) float32 or None (`epilogue.has_bias`).
     config, epilogue, out_dtype: as `fp8.fp8_matmul` takes them.
 
   Pads what the kernel needs: K to whole scale blocks (zeros, which add
   nothing whatever their scale), M and N to whole tiles (zeros, sliced off
-  the result; a tile is `config.cta_tile_m` rows), each RHS scale row to
-  whole 16-byte TMA units; and stores the LHS scales transposed. Aligned
-  operands are not copied; the scales, 1/128 of the LHS's elements, always
-  are.
+  the result; a tile is `config.cta_tile_m` rows), each RHS block-scale row
+  to whole 16-byte TMA units; and stores the per-row scales transposed.
+  Aligned operands are not copied; the scales, 1/128 of the operands'
+  elements, always are.
 
   Returns:
     (M, N) array of `out_dtype`; for float8_e4m3fn, (values (M, N), scales
@@ -656,13 +657,17 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   padded_m, padded_n = operands.round_up(m, tile_m), operands.round_up(n, tile_n)
   padded_k = operands.round_up(k, tile_k)
   k_steps = padded_k // tile_k
-  config.smem_budget(k_steps, out_dtype, has_bias=bias is not None).check(what=repr(config))
+  config.smem_budget(k_steps, out_dtype, has_bias=bias is not None,
+                     rhs_row_scales=rhs_row_scales).check(what=repr(config))
 
   lhs = operands.zero_pad(lhs, (padded_m, padded_k))
   rhs = operands.zero_pad(rhs, (padded_n, padded_k))
   lhs_scales = operands.zero_pad(lhs_scales, (padded_m, k_steps)).T
-  rhs_scales = operands.zero_pad(rhs_scales, (padded_n // tile_n,
-                                              Fp8Config.scale_row_length(k_steps)))
+  if rhs_row_scales:
+    rhs_scales = operands.zero_pad(rhs_scales, (padded_n, k_steps)).T
+  else:
+    rhs_scales = operands.zero_pad(rhs_scales, (padded_n // tile_n,
+                                                Fp8Config.scale_row_length(k_steps)))
   args = (lhs, rhs, lhs_scales, rhs_scales)
   if bias is not None:
     args += (operands.zero_pad(bias, (padded_n,)),)
@@ -675,7 +680,8 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   if config.runs_persistent:
     tiles = (padded_m // tile_m) * (padded_n // tile_n)
     kernel = persistent_kernel(
-        functools.partial(emit_fp8_matmul_persistent, config=config, epilogue=epilogue),
+        functools.partial(emit_fp8_matmul_persistent, config=config, epilogue=epilogue,
+                          rhs_row_scales=rhs_row_scales),
         out_type=out_type, num_blocks=min(device_facts().sm_count, tiles),
         name="fp8_block_scaled_matmul_persistent",
         reduction_scratch_bytes=no_reduction_scratch)
@@ -685,7 +691,7 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   threads = (dict(num_threads=NUM_COMPUTE_WGS + 1, thread_name=WG_AXIS)
              if config.compute_wgs > 1 else {})
   kernel = varying_kernel(plgpu.kernel(
-      functools.partial(body, config=config, epilogue=epilogue),
+      functools.partial(body, config=config, epilogue=epilogue, rhs_row_scales=rhs_row_scales),
       out_type=out_type,
       grid=(padded_m // tile_m, padded_n // tile_n),
       grid_names=(M_AXIS, N_AXIS),

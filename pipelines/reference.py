@@ -29,9 +29,11 @@ def matmul_reference(lhs, rhs, bias=None, *, epilogue: Epilogue = Epilogue(),
 def fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias=None, *,
                          epilogue: Epilogue = Epilogue()) -> jax.Array:
   """`fp8_matmul`'s product in float32 at HIGHEST precision, of the dequantized
-  operands: lhs (M, K) and rhs (N, K) e4m3 with scales per (1, 128) and
-  (128, 128) block (or () for one per tensor)."""
+  operands: lhs (M, K) and rhs (N, K) e4m3 with scales per (1, 128) block
+  and per (128, 128) block, or (1, 128) for rhs scales of shape (N,
+  ceil(K / 128)); or () for one per tensor."""
+  rhs_block = ROW_BLOCK if jnp.shape(rhs_scales)[:1] == rhs.shape[:1] else SQUARE_BLOCK
   acc = jnp.dot(dequantize_fp8(lhs, lhs_scales, ROW_BLOCK),
-                dequantize_fp8(rhs, rhs_scales, SQUARE_BLOCK).T,
+                dequantize_fp8(rhs, rhs_scales, rhs_block).T,
                 precision=jax.lax.Precision.HIGHEST)
   return epilogue.apply_to_sum(acc, bias)

@@ -107,6 +107,19 @@ class SmemModelTest(parameterized.TestCase):
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
                      config.smem_budget(k // 128, out_dtype, has_bias=has_bias).total_bytes)
 
+  @parameterized.product(config=[Fp8Config(), Fp8Config(compute_wgs=1),
+                                 Fp8Config(persistent=False)],
+                         has_bias=[False, True])
+  def test_fp8_rhs_scaled_per_row(self, config, has_bias):
+    k = 4096
+    args = [S((1024, k), jnp.float8_e4m3fn), S((1024, k), jnp.float8_e4m3fn),
+            S((1024, k // 128), jnp.float32), S((1024, k // 128), jnp.float32)]
+    args += [S((1024,), jnp.float32)] if has_bias else []
+    fn = functools.partial(fp8_matmul, config=config)
+    self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
+                     config.smem_budget(k // 128, jnp.bfloat16, has_bias=has_bias,
+                                        rhs_row_scales=True).total_bytes)
+
   def test_pallas_call_rejects_what_only_emit_pipeline_fits(self):
     # Depth 4 at 128x128 fits `pipelined_matmul` but not this path, which
     # also stages the output and keeps a float32 partial sum in SMEM.
