@@ -47,6 +47,8 @@ class GroupTilesTest(parameterized.TestCase):
       ("tile_multiples", [64, 128, 64], 256),
       ("no_rows", [0, 0], 0),
       ("starts_off_8_rows", [3, 61, 70, 5, 1], 140),
+      # Many groups of random sizes, some empty, summing to less than M.
+      ("many_groups", np.random.default_rng(7).integers(0, 40, 300).tolist(), 6400),
   )
   def test_every_row_once_and_no_tile_mixes_groups(self, group_sizes, m):
     tiles = group_tiles(jnp.array(group_sizes, jnp.int32), m, TILE_M)
