@@ -226,11 +226,11 @@ class Fp8MatmulTest(testing.KernelTestCase):
     at K = 128."""
     self.check(64, 4096, 128, seed=15, out_dtype=jnp.float32)
 
-  @parameterized.parameters(False, True)
-  def test_lowers_for_the_gpu(self, has_bias):
+  @parameterized.product(has_bias=[False, True], rhs_block=[SQUARE_BLOCK, ROW_BLOCK])
+  def test_lowers_for_the_gpu(self, has_bias, rhs_block):
     """Mosaic GPU's own checks (wgmma's operand layouts for 8-bit types, the
     TMA copies) run when the kernel is lowered for CUDA, which a CPU does too."""
-    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(23, 100, 200, 136)
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(23, 100, 200, 136, rhs_block)
     bias = testing.random_array(24, (136,), jnp.float32) if has_bias else None
     text = testing.lowered_for_gpu(
         lambda *a: fp8_matmul(*a, bias, activation="silu", config=self.config),
