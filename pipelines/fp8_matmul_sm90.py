@@ -149,12 +149,8 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
 
         plgpu.barrier_wait(constants_loaded)
       total = run_pipeline(_zeros((wg_m, tile_n)))
-      # Each warpgroup stages its rows in its own SMEM tiles.
-      scales_row = _scales_row(out_scales_gmem, n_index, m_slice)
-      _store_output(_finish(total, bias_smem, epilogue), out_smem.at[wg],
-                    out_gmem.at[m_slice, n_slice].at[wg_rows],
-                    None if out_scales_smem is None else out_scales_smem.at[wg],
-                    None if scales_row is None else scales_row.at[:, wg_rows])
+      _store_warpgroup_rows(_finish(total, bias_smem, epilogue), wg, out_smem, out_gmem,
+                            out_scales_smem, out_scales_gmem, n_index, m_slice, n_slice)
 
     _warp_specialized_pipeline(step, compute_context, rows=cta_m, k_steps=k_steps,
                                config=config, dtype=lhs_gmem.dtype,
@@ -233,11 +229,9 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
                                constants_loaded.at[wg])
           plgpu.barrier_wait(constants_loaded.at[wg])
         total = run_pipeline(_zeros((wg_m, tile_n)))
-        scales_row = _scales_row(out_scales_gmem, n_tile, m_slice)
-        _store_output(_finish(total, None if bias_smem is None else bias_smem.at[wg], epilogue),
-                      out_smem.at[wg], out_gmem.at[m_slice, n_slice].at[wg_rows],
-                      None if out_scales_smem is None else out_scales_smem.at[wg],
-                      None if scales_row is None else scales_row.at[:, wg_rows])
+        _store_warpgroup_rows(
+            _finish(total, None if bias_smem is None else bias_smem.at[wg], epilogue), wg,
+            out_smem, out_gmem, out_scales_smem, out_scales_gmem, n_tile, m_slice, n_slice)
 
       pipeline(step, compute_context)(
           *_operand_tiles(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, m_slice,
@@ -418,6 +412,18 @@ def _scales_row(out_scales_gmem, n_index, m_slice):
   if out_scales_gmem is None:
     return None
   return out_scales_gmem.at[pl.ds(n_index, 1), m_slice]
+
+
+def _store_warpgroup_rows(value, wg, out_smem, out_gmem, out_scales_smem, out_scales_gmem,
+                          n_index, m_slice, n_slice) -> None:
+  """`_store_output` of compute warpgroup `wg`'s (TILE_M, TILE_N) `value`: its
+  rows of the (m_slice, n_slice) tile, through its own SMEM staging tile (and
+  scales row, for an e4m3 output) of the block's `NUM_COMPUTE_WGS`."""
+  wg_rows = pl.ds(wg * Fp8Config.TILE_M, Fp8Config.TILE_M)
+  scales_row = _scales_row(out_scales_gmem, n_index, m_slice)
+  _store_output(value, out_smem.at[wg], out_gmem.at[m_slice, n_slice].at[wg_rows],
+                None if out_scales_smem is None else out_scales_smem.at[wg],
+                None if scales_row is None else scales_row.at[:, wg_rows])
 
 
 def _store_output(value, out_smem, out_gmem, scales_smem=None, scales_gmem=None) -> None:
