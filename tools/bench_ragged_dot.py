@@ -5,11 +5,15 @@
 For each MoE layer (the expert up projection of published models, at a
 training token count or a decode-size one) and routing (`balanced`: equal
 groups; `skewed`: sizes from a fixed Dirichlet(0.3) draw, some nearly
-empty), on random normal bfloat16 data, it times with CUPTI after warm-up,
-in the same process:
+empty; and, only when asked for, `one_group`: every row in the first group,
+which isolates what the grouped kernel costs over `ours_dense`), on random
+normal bfloat16 data, it times with CUPTI after warm-up, in the same process:
   dense     `jnp.dot` of the same (M, K) x (K, N) FLOPs (the baseline)
   xla       `jax.lax.ragged_dot`
   ours      `pipelines.ragged_dot`
+  ours_dense  `pipelines.matmul` on dense's problem with `ragged_dot`'s
+            default config: the dense kernel on the grouped one's tiles
+            (forward only)
   tokamax   `tokamax.ragged_dot(..., implementation="mosaic")`, where
             tokamax imports (put it on PYTHONPATH: ../shared/tools/peer_site.sh)
   jax_mgpu  JAX's shipped `ragged_dot_mgpu`, the best of a small sweep of its
@@ -42,8 +46,8 @@ from absl import flags
 from core import has_gpu
 from core.numerics import relative_error
 from core.timing import time_gpu
-from pipelines import ragged_dot
-from pipelines.ragged_dot import weight_gradient
+from pipelines import matmul, operands, ragged_dot
+from pipelines.ragged_dot import default_config, weight_gradient
 from tools import cli, report
 
 
@@ -70,8 +74,8 @@ LAYERS = (
     MoeLayer("mixtral-8x7b@32", m=64, k=4096, n=14336, groups=8),
     MoeLayer("qwen1.5-moe@64", m=256, k=2048, n=1408, groups=60),
 )
-ROUTINGS = ("balanced", "skewed")
-IMPLS = ("dense", "xla", "ours", "tokamax", "jax_mgpu")
+ROUTINGS = ("balanced", "skewed", "one_group")
+IMPLS = ("dense", "xla", "ours", "tokamax", "jax_mgpu", "ours_dense")
 PASSES = ("forward", "forward_backward", "weight_gradient")
 # JAX's ragged_dot_mgpu tiles tried (block_m, block_n, block_k, steps, grid_block_n).
 JAX_MGPU_SWEEP = ((128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 128, 64, 5, 4),
@@ -80,19 +84,27 @@ JAX_MGPU_SWEEP = ((128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 128, 64, 5, 4
 _OUT_DIR = flags.DEFINE_string("out_dir", "out", "Where results go; relative to where the "
                                "command ran.")
 _LAYERS = flags.DEFINE_list("layers", [layer.name for layer in LAYERS], "MoE layers to time.")
-_ROUTINGS = flags.DEFINE_list("routings", list(ROUTINGS), "Routings: balanced, skewed.")
-_IMPLS = flags.DEFINE_list("impls", list(IMPLS), "Implementations to time.")
+_ROUTINGS = flags.DEFINE_list("routings", ["balanced", "skewed"],
+                              "Routings: " + ", ".join(ROUTINGS) + ".")
+_IMPLS = flags.DEFINE_list("impls", [impl for impl in IMPLS if impl != "ours_dense"],
+                           "Implementations to time: " + ", ".join(IMPLS) + ".")
 _PASSES = flags.DEFINE_list("passes", list(PASSES), "Passes: " + ", ".join(PASSES) + ".")
 _ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed calls per implementation.")
 
 
 def group_sizes(layer: MoeLayer, routing: str) -> np.ndarray:
-  """(G,) int32 sizes summing to M: equal, or a fixed Dirichlet(0.3) split."""
+  """(G,) int32 sizes summing to M: equal, a fixed Dirichlet(0.3) split, or
+  every row in the first group."""
   if routing == "balanced":
     sizes = np.full(layer.groups, layer.m // layer.groups)
-  else:
+  elif routing == "skewed":
     shares = np.random.default_rng(0).dirichlet(np.full(layer.groups, 0.3))
     sizes = np.floor(shares * layer.m).astype(int)
+  elif routing == "one_group":
+    sizes = np.zeros(layer.groups, int)
+    sizes[0] = layer.m
+  else:
+    raise ValueError(f"routing={routing!r} must be one of {ROUTINGS}")
   sizes[-1] += layer.m - sizes.sum()
   return sizes.astype(np.int32)
 
@@ -114,6 +126,13 @@ def implementations(tokamax) -> dict:
   if tokamax is not None:
     impls["tokamax"] = lambda a, b, s: tokamax.ragged_dot(a, b, s, implementation="mosaic")
   return impls
+
+
+def ours_dense(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """lhs (M, K) @ rhs (K, N) on `matmul` with `ragged_dot.default_config`'s
+  config for that problem: the dense kernel on the grouped kernel's tiles."""
+  config = default_config(operands.check_operands(lhs, rhs), lhs.dtype)
+  return matmul(lhs, rhs, config=config)
 
 
 def _xla_weight_gradient(lhs, g, sizes, groups):
@@ -160,6 +179,10 @@ def bench_layer(layer: MoeLayer, routing: str, impls: list[str], passes: list[st
       if impl == "dense":
         # One (K, N) weight, sliced outside the timed call.
         args, fn = (lhs, rhs[0], sizes), lambda a, b, s: jnp.dot(a, b)  # noqa: E731
+      elif impl == "ours_dense":
+        if pass_ != "forward":
+          continue
+        args, fn = (lhs, rhs[0], sizes), lambda a, b, s: ours_dense(a, b)  # noqa: E731
       elif impl == "jax_mgpu":
         if pass_ != "forward":
           continue
@@ -275,9 +298,12 @@ def main(argv):
     raise SystemExit("bench_ragged_dot needs a Hopper GPU; none is visible to JAX.")
   out_dir = cli.output_dir(_OUT_DIR.value)
   by_name = {layer.name: layer for layer in LAYERS}
-  unknown = [name for name in _LAYERS.value if name not in by_name]
-  if unknown:
-    raise SystemExit(f"--layers: unknown {unknown}; known: {sorted(by_name)}")
+  for flag, values, known in ((_LAYERS, _LAYERS.value, sorted(by_name)),
+                              (_ROUTINGS, _ROUTINGS.value, ROUTINGS), (_IMPLS, _IMPLS.value, IMPLS),
+                              (_PASSES, _PASSES.value, PASSES)):
+    unknown = [value for value in values if value not in known]
+    if unknown:
+      raise SystemExit(f"--{flag.name}: unknown {unknown}; known: {list(known)}")
   records = []
   path = os.path.join(out_dir, "ragged_dot_bench.json")
   for name, routing in itertools.product(_LAYERS.value, _ROUTINGS.value):

@@ -28,6 +28,13 @@ class RoutingTest(parameterized.TestCase):
     np.testing.assert_array_equal(first, second)
     self.assertGreater(first.max(), 2 * first.min() + 1)
 
+  def test_one_group_holds_every_row_and_unknown_routings_fail(self):
+    layer = bench.LAYERS[0]
+    sizes = bench.group_sizes(layer, "one_group")
+    self.assertEqual(sizes[0], layer.m)
+    with self.assertRaisesRegex(ValueError, "routing='even' must be one of"):
+      bench.group_sizes(layer, "even")
+
   def test_layers_cover_few_large_and_many_small_experts_and_decode(self):
     groups = {layer.groups for layer in bench.LAYERS}
     self.assertLessEqual(min(groups), 8)
@@ -36,7 +43,17 @@ class RoutingTest(parameterized.TestCase):
     self.assertGreaterEqual(len(bench.LAYERS), 6)
 
 
-class WeightGradientTest(testing.KernelTestCase):
+class TimedProductsTest(testing.KernelTestCase):
+  """What the passes time is the product they name, on our kernels and on XLA."""
+
+  def test_ours_dense_is_matmul_on_the_grouped_config(self):
+    """What `ours_dense` times: the dense product, on `ragged_dot`'s config."""
+    lhs = testing.random_array(2, (200, 128), jnp.bfloat16)
+    rhs = testing.random_array(3, (128, 192), jnp.bfloat16)
+    with base.with_blocks(2):
+      got = self.run_kernel(jax.jit(bench.ours_dense), lhs, rhs)
+    self.assert_close(got, jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32)),
+                      dtype=jnp.bfloat16)
 
   def test_ours_and_xlas_are_the_same_gradient(self):
     """What the weight_gradient pass times: the same (G, K, N) on both sides."""
