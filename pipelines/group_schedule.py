@@ -117,8 +117,8 @@ def group_tiles(group_sizes: jax.Array, m: int, tile_m: int) -> GroupTiles:
   # The group of entry t: the first whose tiles end past t (G for the rest).
   # Counted by comparing every entry with every group's end, which XLA fuses
   # into one kernel: the default binary search is a loop, which XLA runs on
-  # the GPU as small kernels per iteration (unless it unrolls the loop),
-  # before every call.
+  # the GPU as small kernels per iteration (by default it unrolls only loops
+  # that hold a collective), before every call.
   group = jnp.minimum(jnp.searchsorted(tiles_end, t, side="right", method="compare_all"),
                       num_groups)
   window = windows_start[group] + (t - (tiles_end[group] - tiles[group])) * tile_m
