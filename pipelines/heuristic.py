@@ -79,6 +79,9 @@ _DECODE_MAX_M = 64
 # where neither does, 0.92-1.02x (docs/performance-log.md, "A 64x512 decode tile, and
 # streams charged whole waves").
 _WIDE_DECODE_TILE = (TuningConfig(tile_m=64, tile_n=256, wg_dimension=MatmulDimension.N), 1.2)
+# The (CTA rows, CTA columns) of the two decode tiles (`_hbm_bytes_per_us`).
+_DECODE_CTA_TILES = frozenset((tiles.cta_tile_m, tiles.cta_tile_n)
+                              for tiles, _ in (_DECODE_TILE, _WIDE_DECODE_TILE))
 # Tiles whose (K, N) RHS tiles are one segment wide (each warpgroup of the
 # 64x128 tile loads its own 64 columns, `TuningConfig.rhs_tiles`) read that
 # RHS as boxes in place at any N on 16 bytes (`operands.tma_sizes`), where
@@ -276,15 +279,13 @@ def _k_splits_options(problem: operands.MatmulProblem, config: TuningConfig,
 def _hbm_bytes_per_us(problem: operands.MatmulProblem, config: TuningConfig) -> float:
   """The HBM rate `_estimated_time_us` gives `config`'s CTA tiles on `problem`:
   `_HBM_BYTES_PER_US`, or its `_DECODE_OTHER_TILES_HBM_SHARE` for tiles other
-  than the decode tile at decode-size M. Only where that share was measured:
+  than the decode tiles at decode-size M. Only where that share was measured:
   not for outputs at most `_NARROW_MAX_N` wide (their own tiles, never
   weighed against the decode tile) nor for an RHS stored (N, K), whose tiles'
   rows run along K whatever their width."""
-  decode_tiles = {(tiles.cta_tile_m, tiles.cta_tile_n)
-                  for tiles, _ in (_DECODE_TILE, _WIDE_DECODE_TILE)}
   if (problem.m <= _DECODE_SPLIT_MAX_M and problem.n > _NARROW_MAX_N
       and not problem.layout.transpose_rhs
-      and (config.cta_tile_m, config.cta_tile_n) not in decode_tiles):
+      and (config.cta_tile_m, config.cta_tile_n) not in _DECODE_CTA_TILES):
     return _HBM_BYTES_PER_US * _DECODE_OTHER_TILES_HBM_SHARE
   return _HBM_BYTES_PER_US
 
