@@ -21,7 +21,13 @@ from core.varying import cotangent_like
 from pipelines import kernel_call, operands
 from pipelines.config import FP8_DTYPE, Fp8Config, TuningConfig
 from pipelines.epilogue import BIAS_DTYPE, Epilogue
-from pipelines.fp8_quantize import ROW_BLOCK, SQUARE_BLOCK, quantize_fp8, scales_shape
+from pipelines.fp8_quantize import (
+    ROW_BLOCK,
+    SQUARE_BLOCK,
+    quantize_fp8,
+    rhs_scales_block,
+    scales_shape,
+)
 
 # With one scale per operand the whole K sum can stay in the tensor cores, so
 # the product runs on `matmul`'s persistent warp-specialized kernel, scaled in
@@ -112,8 +118,7 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
   _check_scales("lhs_scales", lhs_scales, {lhs_scales_shape: "one per row and 128 of K"})
   _check_scales("rhs_scales", rhs_scales, {rhs_scales_shape: "one per 128 of N and 128 of K",
                                            rhs_row_scales_shape: "one per row and 128 of K"})
-  # With N = 1 the two shapes are one, and mean the same.
-  rhs_row_scales = rhs_scales.shape == rhs_row_scales_shape != rhs_scales_shape
+  rhs_row_scales = rhs_scales_block((n, k), rhs_scales.shape) == ROW_BLOCK
   if jnp.dtype(out_dtype) != FP8_DTYPE:
     out_dtype = operands.check_out_dtype(out_dtype, jnp.bfloat16)
   epilogue = Epilogue(activation=activation, has_bias=bias is not None)

@@ -32,6 +32,17 @@ def scales_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, i
   return tuple(-(-size // b) for size, b in zip(shape, block, strict=True))
 
 
+def rhs_scales_block(rhs_shape: tuple[int, int], rhs_scales_shape: tuple) -> tuple[int, int]:
+  """The block an (N, K) RHS's scales of `rhs_scales_shape` describe (as
+  `fp8_matmul` takes them): `ROW_BLOCK` for one per row, (N, ceil(K / 128));
+  else `SQUARE_BLOCK` (also for one scale, (), and for N = 1, where the two
+  shapes are one and mean the same)."""
+  row_shape = scales_shape(rhs_shape, ROW_BLOCK)
+  if tuple(rhs_scales_shape) == row_shape != scales_shape(rhs_shape, SQUARE_BLOCK):
+    return ROW_BLOCK
+  return SQUARE_BLOCK
+
+
 def block_scales(amax: jax.Array) -> jax.Array:
   """The scales of blocks whose largest magnitudes are `amax` (float32): the
   largest maps to e4m3's largest value; a block of zeros gets 1."""

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pipelines.epilogue import Epilogue
-from pipelines.fp8_quantize import ROW_BLOCK, SQUARE_BLOCK, dequantize_fp8
+from pipelines.fp8_quantize import ROW_BLOCK, dequantize_fp8, rhs_scales_block
 from pipelines.operands import NN, OperandLayout
 
 
@@ -32,8 +32,8 @@ def fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias=None, *,
   operands: lhs (M, K) and rhs (N, K) e4m3 with scales per (1, 128) block
   and per (128, 128) block, or (1, 128) for rhs scales of shape (N,
   ceil(K / 128)); or () for one per tensor."""
-  rhs_block = ROW_BLOCK if jnp.shape(rhs_scales)[:1] == rhs.shape[:1] else SQUARE_BLOCK
   acc = jnp.dot(dequantize_fp8(lhs, lhs_scales, ROW_BLOCK),
-                dequantize_fp8(rhs, rhs_scales, rhs_block).T,
+                dequantize_fp8(rhs, rhs_scales, rhs_scales_block(rhs.shape,
+                                                                 jnp.shape(rhs_scales))).T,
                 precision=jax.lax.Precision.HIGHEST)
   return epilogue.apply_to_sum(acc, bias)
