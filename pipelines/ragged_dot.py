@@ -27,7 +27,7 @@ import numpy as np
 from core.varying import cotangent_like
 from pipelines import heuristic, kernel_call, operands
 from pipelines.config import MatmulDimension, TuningConfig
-from pipelines.epilogue import Epilogue
+from pipelines.epilogue import PARTIAL_ROWS_BYTES, Epilogue
 
 
 def default_config(problem: operands.MatmulProblem, out_dtype, *,
@@ -35,8 +35,10 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   """The heuristic's cooperative config for the dense problem of all M rows
   (the grouped kernels run no other schedule), made one they run: one CTA
   per cluster (a cluster's two row tiles could be on two groups' weights), no
-  split of K; then the deepest pipeline whose SMEM fits beside the grouped
-  epilogue's staging tiles.
+  split of K, epilogue tiles at least as wide as one chunk of the rows at a
+  group's edge (the dense heuristic's tile for decode-size M and N <= 64 has
+  narrower ones); then the deepest pipeline whose SMEM fits beside the
+  grouped epilogue's staging tiles.
 
   With `ragged_k`, for the weight gradient (`kernel_call.ws_ragged_k_matmul`):
   `problem` is its dense (K, all M rows, N) TN product, and the warpgroups
@@ -46,6 +48,12 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
                                k_splits=1, cluster_m=1)
   if ragged_k:
     config = dataclasses.replace(config, wg_dimension=MatmulDimension.M)
+  else:
+    chunk = PARTIAL_ROWS_BYTES // jnp.dtype(out_dtype).itemsize
+    if config.epi_tile_n % chunk:
+      epi_tile_n = operands.round_up(config.epi_tile_n, chunk)
+      config = dataclasses.replace(config, epi_tile_n=epi_tile_n, rhs_tile_n=None,
+                                   tile_n=operands.round_up(config.tile_n, epi_tile_n))
   padded = operands.pad_k(problem, config.tile_k)
   for steps in range(config.max_concurrent_steps, 1, -1):
     candidate = dataclasses.replace(config, max_concurrent_steps=steps)

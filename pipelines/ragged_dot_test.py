@@ -95,6 +95,11 @@ class RaggedDotTest(testing.KernelTestCase):
       ("float16_to_float32", dict(group_sizes=UNEVEN, dtype=jnp.float16,
                                   out_dtype=jnp.float32)),
       ("default_config", dict(group_sizes=UNEVEN, config=None)),
+      # The dense heuristic's tile for decode-size M and N <= 64 has 32-column
+      # epilogue tiles, narrower than the grouped kernel's edge stores.
+      ("default_config_decode_size_narrow_n", dict(group_sizes=(10, 0, 20, 5), m=64, n=32,
+                                                   config=None)),
+      ("default_config_no_columns", dict(group_sizes=(10, 0, 20, 5), m=64, n=0, config=None)),
       # Edge sub-tiles 256 bytes wide go out in two 128-byte column chunks.
       ("wide_epilogue_tiles", dict(group_sizes=UNEVEN, n=256, config=dataclasses.replace(
           SPLIT_M, tile_n=128, epi_tile_n=128))),
@@ -233,6 +238,15 @@ class RaggedDotTest(testing.KernelTestCase):
     grouped = grouped_default_config(problem, jnp.bfloat16)
     self.assertEqual((grouped.cta_tile_m, grouped.cta_tile_n), (dense.cta_tile_m, dense.cta_tile_n))
     self.assertEqual(grouped.max_concurrent_steps, dense.max_concurrent_steps)
+
+  @parameterized.product(m=[1, 64, 65, 4096], n=[8, 16, 32, 64, 100],
+                         out_dtype=[jnp.bfloat16, jnp.float32])
+  def test_default_config_runs_on_the_grouped_kernel(self, m, n, out_dtype):
+    problem = operands.check_operands(jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16),
+                                      jax.ShapeDtypeStruct((2048, n), jnp.bfloat16),
+                                      operands.NN)
+    config = grouped_default_config(problem, out_dtype)
+    kernel_call.check_ws_config(config, problem, out_dtype, grouped=True)
 
   def test_default_config_is_the_dense_cooperative_choice(self):
     """Where the dense heuristic takes ping-pong (many small experts, K =
