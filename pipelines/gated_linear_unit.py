@@ -37,9 +37,11 @@ BASE_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=64, max_concurrent_step
                            wg_dimension=MatmulDimension.M)
 
 
-def default_config(problem: operands.MatmulProblem) -> TuningConfig:
+def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   """`BASE_CONFIG`, in 2-CTA clusters that multicast each weight tile to two
-  row tiles where the clusters take no more waves than single CTAs.
+  row tiles where the clusters take no more waves than single CTAs, with the
+  deepest pipeline up to its 4 stages whose SMEM fits beside the staging
+  tile of an `out_dtype` output (a float32 one takes 3).
 
   Fitted on the forward of four model layers (llama3-8b at 8192 and 1024
   tokens, qwen2.5-7b at 8192, llama3-70b at 256) against six other configs
@@ -47,9 +49,15 @@ def default_config(problem: operands.MatmulProblem) -> TuningConfig:
   back (gemma2-9b at 8192, llama3.2-1b at 16384, qwen2.5-14b at 512,
   qwen2.5-32b at 2048): perf/2026-12-02-h200-gated-unit-configs.json.
   """
+  config = BASE_CONFIG
   if heuristic.clusters_take_no_more_waves(BASE_CONFIG, problem):
-    return dataclasses.replace(BASE_CONFIG, cluster_m=2)
-  return BASE_CONFIG
+    config = dataclasses.replace(config, cluster_m=2)
+  padded = operands.pad_k(problem, config.tile_k)
+  for steps in range(config.max_concurrent_steps, 1, -1):
+    candidate = dataclasses.replace(config, max_concurrent_steps=steps)
+    if kernel_call.ws_smem_budget(candidate, padded, out_dtype, gated=True).fits():
+      return candidate
+  raise AssertionError("unreachable: two stages of BASE_CONFIG's tiles always fit")
 
 
 def gated_linear_unit(x: jax.Array, w_gate: jax.Array, w_up: jax.Array | None = None, *,
@@ -111,7 +119,7 @@ def gated_linear_unit(x: jax.Array, w_gate: jax.Array, w_up: jax.Array | None = 
   problem = operands.check_operands(rows, jax.ShapeDtypeStruct(gate_shape, w_gate.dtype), layout)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   Epilogue(activation=activation)  # Raises on an unknown activation.
-  config = default_config(problem) if config is None else config
+  config = default_config(problem, out_dtype) if config is None else config
   if not isinstance(config, TuningConfig):
     raise ValueError(f"config must be a TuningConfig, got {type(config).__name__}")
   kernel_call.check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype,

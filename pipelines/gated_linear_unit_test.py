@@ -17,7 +17,14 @@ from absl.testing import absltest, parameterized
 import simulator
 from core import testing
 from core.numerics import RELATIVE_TOLERANCE, elementwise_violations, relative_error
-from pipelines import MatmulDimension, Schedule, TuningConfig, gated_linear_unit, operands
+from pipelines import (
+  MatmulDimension,
+  Schedule,
+  TuningConfig,
+  gated_linear_unit,
+  kernel_call,
+  operands,
+)
 from pipelines import matmul_test_base as base
 from pipelines.epilogue import ACTIVATIONS, Epilogue
 from pipelines.gated_linear_unit import default_config
@@ -80,6 +87,9 @@ class GatedLinearUnitTest(testing.KernelTestCase):
       ("default_config_clustered", dict(config=None, shape=(256, 192, 384), blocks=4)),
       # 68 column tiles: more than 66 pairs of SMs, so not clustered.
       ("default_config_one_row", dict(config=None, shape=(1, 64, 8704), blocks=2)),
+      # K of more than 3 K steps: the default's 4 stages did not fit a float32 output.
+      ("default_config_float32_out", dict(config=None, shape=(64, 256, 128),
+                                          out_dtype=jnp.float32, fused=True)),
   )
   def test_configs_layouts_and_dtypes(self, overrides):
     overrides = dict(overrides)
@@ -256,11 +266,19 @@ class DefaultConfigTest(absltest.TestCase):
 
   def test_clusters_where_they_take_no_more_waves(self):
     # 64 row tiles of 112 column tiles: pairs fill the SMs as well as single CTAs.
-    self.assertEqual(default_config(self.problem(8192)).cluster_m, 2)
+    self.assertEqual(default_config(self.problem(8192), jnp.bfloat16).cluster_m, 2)
     # One row tile (decode): its 112 tiles are one wave alone, two in pairs.
-    self.assertEqual(default_config(self.problem(1)).cluster_m, 1)
-    self.assertEqual(dataclasses.replace(default_config(self.problem(1)), cluster_m=2),
-                     default_config(self.problem(8192)))
+    self.assertEqual(default_config(self.problem(1), jnp.bfloat16).cluster_m, 1)
+    self.assertEqual(dataclasses.replace(default_config(self.problem(1), jnp.bfloat16),
+                                         cluster_m=2),
+                     default_config(self.problem(8192), jnp.bfloat16))
+
+  def test_fits_every_output_dtype(self):
+    # A float32 output's staging tile leaves room for 3 of BASE_CONFIG's 4 stages.
+    for out_dtype, steps in ((jnp.bfloat16, 4), (jnp.float16, 4), (jnp.float32, 3)):
+      config = default_config(self.problem(64, k=256), out_dtype)
+      self.assertEqual(config.max_concurrent_steps, steps)
+      kernel_call.check_ws_config(config, self.problem(64, k=256), out_dtype, gated=True)
 
 
 class ValidationTest(parameterized.TestCase):
