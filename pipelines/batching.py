@@ -1,10 +1,14 @@
-"""`jax.vmap` of a matmul kernel call: a batch of LHS rows is one bigger matmul.
+"""Transformation rules for a matmul kernel call, which has none of its own.
 
-A Mosaic GPU kernel call has no batching rule of its own. The matmuls share
-one, through `jax.custom_batching.custom_vmap`: where only the (M, K) LHS is
-batched, its batch is stacked into M (a free reshape) and one kernel runs;
-any other batching loops over the batch with `lax.map`, one kernel per
-element.
+`jax.vmap`: a batch of LHS rows is one bigger matmul. The matmuls share one
+batching rule, through `jax.custom_batching.custom_vmap`: where only the
+(M, K) LHS is batched, its batch is stacked into M (a free reshape) and one
+kernel runs; any other batching loops over the batch with `lax.map`, one
+kernel per element.
+
+`jax.grad` of an op that is not differentiable (an FP8 product): an error
+that names the op and what to use instead, where the kernel call alone
+fails with "Differentiation rule for 'mpmd_map' not implemented".
 """
 
 from __future__ import annotations
@@ -44,3 +48,21 @@ def batch_as_rows(run: Callable, *, lhs_rows_leading: bool = True) -> Callable:
     return outs, jax.tree.map(lambda _: True, outs)
 
   return batchable
+
+
+def refusing_gradient(run: Callable, message: str) -> Callable:
+  """`run(*arrays)` (arrays or None), whose gradient raises TypeError(message)."""
+
+  @jax.custom_vjp
+  def call(*args):
+    return run(*args)
+
+  def forward(*args):
+    return call(*args), None
+
+  def backward(residuals, cotangents):
+    del residuals, cotangents
+    raise TypeError(message)
+
+  call.defvjp(forward, backward)
+  return call

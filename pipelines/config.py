@@ -455,6 +455,12 @@ class TuningConfig:
     return min(2, (self.tile_m // self.epi_tile_m) * (self.tile_n // self.epi_tile_n))
 
 
+def check_tuning_config(config) -> None:
+  """Raises, naming the argument, unless `config` is a `TuningConfig`."""
+  if not isinstance(config, TuningConfig):
+    raise ValueError(f"config must be a TuningConfig, got {type(config).__name__}")
+
+
 def check_operand_dtype(name: str, dtype, allowed: tuple = OPERAND_DTYPES) -> jnp.dtype:
   dtype = jnp.dtype(dtype)
   if dtype not in allowed:

@@ -29,6 +29,22 @@ ACTIVATIONS = ("none", "relu", "gelu", "silu")
 # dtype: cast to a 16-bit output dtype first, a bias that cancels most of a
 # large accumulator would overflow or lose its low bits before the addition.
 BIAS_DTYPE = jnp.dtype(jnp.float32)
+
+
+def checked_bias(bias: jax.Array | None, n: int) -> jax.Array | None:
+  """`bias` (N,) of a real float dtype as `BIAS_DTYPE`, or None; raises,
+  naming the argument, for any other shape or dtype (an integer, boolean or
+  complex bias would otherwise be cast without a word)."""
+  if bias is None:
+    return None
+  if bias.shape != (n,):
+    raise ValueError(f"bias must have shape (N,)=({n},), got {bias.shape=}")
+  if not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise ValueError(f"bias.dtype={jnp.dtype(bias.dtype).name} must be a real float dtype "
+                     "(float32, bfloat16, float16, ...)")
+  return bias.astype(BIAS_DTYPE)
+
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715  # The tanh approximation's cubic coefficient.
 

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 
 from core.varying import cotangent_like
 from pipelines import kernel_call, operands
+from pipelines.batching import refusing_gradient
 from pipelines.config import FP8_DTYPE, Fp8Config, TuningConfig
-from pipelines.epilogue import BIAS_DTYPE, Epilogue
+from pipelines.epilogue import Epilogue, checked_bias
 from pipelines.fp8_quantize import (
     ROW_BLOCK,
     SQUARE_BLOCK,
@@ -37,6 +38,8 @@ from pipelines.fp8_quantize import (
 PER_TENSOR_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4)
 _PER_TENSOR_FLOAT32_STAGES = 3
 _NT = operands.OperandLayout(transpose_rhs=True)
+_NOT_DIFFERENTIABLE = ("fp8_matmul is not differentiable (it takes quantized operands); use "
+                       "pipelines.fp8_linear for an FP8 layer")
 
 
 def _check_fp8_operand(name: str, x) -> None:
@@ -122,24 +125,23 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
   if jnp.dtype(out_dtype) != FP8_DTYPE:
     out_dtype = operands.check_out_dtype(out_dtype, jnp.bfloat16)
   epilogue = Epilogue(activation=activation, has_bias=bias is not None)
-  if bias is not None:
-    if bias.shape != (n,):
-      raise ValueError(f"bias must have shape (N,)=({n},), got {bias.shape=}")
-    bias = bias.astype(BIAS_DTYPE)
+  bias = checked_bias(bias, n)
   config = _checked_config(config)
   if lhs_scales.shape == rhs_scales.shape == () and jnp.dtype(out_dtype) != FP8_DTYPE:
     per_tensor = PER_TENSOR_CONFIG
     if jnp.dtype(out_dtype).itemsize == 4:
       per_tensor = dataclasses.replace(per_tensor, max_concurrent_steps=_PER_TENSOR_FLOAT32_STAGES)
-    return kernel_call.ws_matmul(lhs, rhs, bias, config=per_tensor, epilogue=epilogue,
-                                 out_dtype=out_dtype, layout=_NT,
-                                 column_scales=jnp.full((n,), lhs_scales * rhs_scales))
+    run = functools.partial(kernel_call.ws_matmul, config=per_tensor, epilogue=epilogue,
+                            out_dtype=out_dtype, layout=_NT)
+    return refusing_gradient(
+        lambda lhs, rhs, bias, scales: run(lhs, rhs, bias, column_scales=scales),
+        _NOT_DIFFERENTIABLE)(lhs, rhs, bias, jnp.full((n,), lhs_scales * rhs_scales))
   lhs_scales = jnp.broadcast_to(lhs_scales, lhs_scales_shape)
   rhs_scales = jnp.broadcast_to(rhs_scales,
                                 rhs_row_scales_shape if rhs_row_scales else rhs_scales_shape)
-  return kernel_call.fp8_block_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, bias,
-                                             config=config, epilogue=epilogue,
-                                             out_dtype=out_dtype, rhs_row_scales=rhs_row_scales)
+  run = functools.partial(kernel_call.fp8_block_scaled_matmul, config=config, epilogue=epilogue,
+                          out_dtype=out_dtype, rhs_row_scales=rhs_row_scales)
+  return refusing_gradient(run, _NOT_DIFFERENTIABLE)(lhs, rhs, lhs_scales, rhs_scales, bias)
 
 
 def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,

@@ -107,7 +107,14 @@ def dequantize_fp8(values: jax.Array, scales: jax.Array,
     block: as `quantize_fp8` took it.
   """
   block = _check_block(block)
+  if values.ndim != 2 or jnp.dtype(values.dtype) != FP8_DTYPE:
+    raise ValueError(f"values must be 2-D (R, C) {jnp.dtype(FP8_DTYPE).name}, got {values.shape} "
+                     f"{jnp.dtype(values.dtype).name}")
   scales = jnp.asarray(scales, jnp.float32)
+  if scales.shape not in ((), scales_shape(values.shape, block)):
+    raise ValueError(f"scales must have shape {scales_shape(values.shape, block)} (one per "
+                     f"{block} block of values {values.shape}) or () (one for all), got "
+                     f"{scales.shape}")
   if scales.ndim:
     scales = jnp.repeat(jnp.repeat(scales, block[0], axis=0), block[1], axis=1)
     scales = scales[:values.shape[0], :values.shape[1]]

@@ -133,6 +133,14 @@ class QuantizeTest(parameterized.TestCase):
       quantize_fp8(jnp.ones((2, 4, 4)))
     with self.assertRaisesRegex(ValueError, "x.dtype=int32 must be one of"):
       quantize_fp8(jnp.ones((4, 4), jnp.int32))
+    values, scales = quantize_fp8(jnp.ones((100, 256)))
+    with self.assertRaisesRegex(ValueError, r"scales must have shape \(100, 2\) .* got \(300, 2\)"):
+      dequantize_fp8(values, jnp.ones((300, 2)))
+    with self.assertRaisesRegex(ValueError, r"scales must have shape \(100, 2\) .* got \(2, 100\)"):
+      dequantize_fp8(values, scales.T)
+    with self.assertRaisesRegex(ValueError, r"values must be 2-D \(R, C\) float8_e4m3fn, got "
+                                r"\(100, 256\) bfloat16"):
+      dequantize_fp8(values.astype(jnp.bfloat16), scales)
 
 
 class Fp8MatmulTest(testing.KernelTestCase):
@@ -284,6 +292,14 @@ class Fp8MatmulTest(testing.KernelTestCase):
       fp8_matmul(lhs, rhs, lhs_scales, rhs_scales.astype(jnp.bfloat16))
     with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(128,\)"):
       fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, jnp.zeros((64,)))
+    with self.assertRaisesRegex(ValueError, "bias.dtype=int32 must be a real float dtype"):
+      fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, jnp.zeros((128,), jnp.int32))
+    # Block scales and one scale per operand run different kernels.
+    for scales in ((lhs_scales, rhs_scales), (jnp.float32(1.0), jnp.float32(1.0))):
+      with self.assertRaisesRegex(TypeError, "fp8_matmul is not differentiable.*fp8_linear"):
+        jax.eval_shape(jax.grad(lambda s, scales=scales: fp8_matmul(
+            lhs, rhs, *scales, s, config=self.config).astype(jnp.float32).sum()),
+            jnp.zeros((128,), jnp.float32))
     with self.assertRaisesRegex(ValueError, "activation='tanh'"):
       fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, activation="tanh")
     with self.assertRaisesRegex(ValueError, "config must be an Fp8Config"):

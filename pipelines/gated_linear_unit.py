@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from core.varying import cotangent_like
 from pipelines import heuristic, kernel_call, operands
 from pipelines.batching import batch_as_rows
-from pipelines.config import MatmulDimension, TuningConfig
+from pipelines.config import MatmulDimension, TuningConfig, check_tuning_config
 from pipelines.epilogue import Epilogue
 from pipelines.matmul import operand_cotangents
 
@@ -120,8 +120,7 @@ def gated_linear_unit(x: jax.Array, w_gate: jax.Array, w_up: jax.Array | None = 
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   Epilogue(activation=activation)  # Raises on an unknown activation.
   config = default_config(problem, out_dtype) if config is None else config
-  if not isinstance(config, TuningConfig):
-    raise ValueError(f"config must be a TuningConfig, got {type(config).__name__}")
+  check_tuning_config(config)
   kernel_call.check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype,
                               gated=True)
   out = _make_differentiable(config, activation, out_dtype, layout, fused)(rows, *weights)

@@ -47,9 +47,9 @@ from pipelines.cooperative_matmul_sm90 import (
   pipeline_buffer_names,
 )
 from pipelines.epilogue import (
-  BIAS_DTYPE,
   PARTIAL_ROWS_BYTES,
   Epilogue,
+  checked_bias,
   derivative_dtype,
   kept_derivative,
 )
@@ -210,11 +210,7 @@ def _check_call(lhs, rhs, bias, out_dtype, layout: operands.OperandLayout = oper
   """Step 1: (problem, out dtype, bias as float32 or None)."""
   problem = operands.check_operands(lhs, rhs, layout, dtypes)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
-  if bias is not None:
-    if bias.shape != (problem.n,):
-      raise ValueError(f"bias must have shape (N,)=({problem.n},), got {bias.shape=}")
-    bias = bias.astype(BIAS_DTYPE)
-  return problem, out_dtype, bias
+  return problem, out_dtype, checked_bias(bias, problem.n)
 
 
 def empty_result(problem: operands.MatmulProblem, out_dtype, operands_in: tuple, bias=None,

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from core.varying import cotangent_like
 from pipelines import kernel_call, operands, tuning_cache
-from pipelines.batching import batch_as_rows
-from pipelines.config import FP8_DTYPE, TuningConfig
+from pipelines.batching import batch_as_rows, refusing_gradient
+from pipelines.config import FP8_DTYPE, TuningConfig, check_tuning_config
 from pipelines.epilogue import Epilogue
 from pipelines.heuristic import default_config, quantized_output_config
 
@@ -99,6 +99,8 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   """
   layout = operands.OperandLayout(transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs)
   problem = operands.check_operands(lhs, rhs, layout)
+  if config is not None:
+    check_tuning_config(config)
   epilogue = Epilogue(activation=activation, has_bias=bias is not None)
   if out_dtype is not None and jnp.dtype(out_dtype) == FP8_DTYPE:
     if config is None:
@@ -117,23 +119,10 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
 def _make_quantized(config: TuningConfig, epilogue: Epilogue, layout: operands.OperandLayout):
   """(values, scales) of an output quantized to e4m3 in the epilogue; its
   gradient is an error, not a silent zero."""
-  run = _make_batchable(config, epilogue, FP8_DTYPE, layout)
-
-  @jax.custom_vjp
-  def quantized(lhs, rhs, bias):
-    return run(lhs, rhs, bias)
-
-  def forward(lhs, rhs, bias):
-    return quantized(lhs, rhs, bias), None
-
-  def backward(residuals, cotangents):
-    del residuals, cotangents
-    raise TypeError("matmul with out_dtype=float8_e4m3fn is not differentiable (its output "
-                    "is quantized); differentiate a 16- or 32-bit matmul, or use "
-                    "pipelines.fp8_linear for an FP8 layer")
-
-  quantized.defvjp(forward, backward)
-  return quantized
+  return refusing_gradient(
+      _make_batchable(config, epilogue, FP8_DTYPE, layout),
+      "matmul with out_dtype=float8_e4m3fn is not differentiable (its output is quantized); "
+      "differentiate a 16- or 32-bit matmul, or use pipelines.fp8_linear for an FP8 layer")
 
 
 @functools.cache
@@ -184,26 +173,18 @@ def _make_keeping_derivative(config: TuningConfig, epilogue: Epilogue, out_dtype
     return (out, derivative), (lhs, rhs, bias, derivative)
 
   def backward(residuals, cotangents):
-    out_cotangent, derivative_cotangent = cotangents
-    lhs, rhs, bias, _ = residuals
-    # Reached only by a second differentiation (the first backward reads the
-    # derivative): the derivative's own cotangent needs the second
-    # derivative at the pre-activation, which is not kept, so it is
-    # recomputed here with one more product, in float32.
-    pre_activation = matmul(lhs, rhs, bias, out_dtype=jnp.float32,
-                            transpose_lhs=layout.transpose_lhs,
-                            transpose_rhs=layout.transpose_rhs)
-    extra = derivative_cotangent.astype(jnp.float32) * epilogue.second_derivative(pre_activation)
-    return _backward(epilogue, layout, residuals, out_cotangent, extra)
+    # Reached only by a second differentiation. The derivative's cotangent
+    # is zero: its one reader, `_make_times_kept_derivative`, gives the operands
+    # the second-order terms itself.
+    out_cotangent, _ = cotangents
+    return _backward(epilogue, layout, residuals, out_cotangent)
 
   keeping.defvjp(forward, backward)
   return keeping
 
 
-def _backward(epilogue: Epilogue, layout: operands.OperandLayout, residuals, out_cotangent,
-              extra_cotangent=None):
-  """(d lhs, d rhs, d bias) from the output's cotangent, plus `extra_cotangent`
-  (float32 (M, N) or None) for the sum before the activation.
+def _backward(epilogue: Epilogue, layout: operands.OperandLayout, residuals, out_cotangent):
+  """(d lhs, d rhs, d bias) from the output's cotangent.
 
   `residuals` is (lhs, rhs, bias, saved): `saved` is the activation's
   derivative for gelu and silu, the output for relu, None otherwise. The
@@ -212,10 +193,16 @@ def _backward(epilogue: Epilogue, layout: operands.OperandLayout, residuals, out
   the backward products in the operand dtype.
   """
   lhs, rhs, bias, saved = residuals
-  g = epilogue.sum_cotangent(out_cotangent, saved)
-  if extra_cotangent is not None:
-    g = g + extra_cotangent
-  g = g.astype(lhs.dtype)
+  if epilogue.keeps_derivative:
+    g = _make_times_kept_derivative(epilogue, layout)(out_cotangent, saved, lhs, rhs, bias)
+  else:
+    g = epilogue.sum_cotangent(out_cotangent, saved)
+  return _operand_and_bias_cotangents(lhs, rhs, bias, g.astype(lhs.dtype), layout)
+
+
+def _operand_and_bias_cotangents(lhs, rhs, bias, g, layout: operands.OperandLayout):
+  """(d lhs, d rhs, d bias) of `op(lhs) @ op(rhs) + bias` for the cotangent g
+  (M, N) of that sum, in the operand dtype."""
   # d bias sums the rounded cotangent that the products also take (in
   # float32), as XLA's autodiff of the same model does: summing the float32
   # one instead makes XLA write it out and read it back in a second pass.
@@ -223,6 +210,45 @@ def _backward(epilogue: Epilogue, layout: operands.OperandLayout, residuals, out
   cotangents = (*operand_cotangents(lhs, rhs, g, layout), d_bias)
   return tuple(None if ct is None else cotangent_like(ct, primal)
                for ct, primal in zip(cotangents, (lhs, rhs, bias), strict=True))
+
+
+@functools.cache
+def _make_times_kept_derivative(epilogue: Epilogue, layout: operands.OperandLayout):
+  """The backward's `out_cotangent * derivative` (float32 (M, N)), where
+  `derivative` (float16, or float32 for a float32 output) is the kept
+  act'(op(lhs) @ op(rhs) + bias), differentiable in the cotangent and, through
+  the derivative, in lhs, rhs and bias.
+
+  A second differentiation must not send a cotangent to the float16
+  derivative: a cotangent has its primal's dtype, and one past float16's
+  65504 (a loss summed over many tokens, then squared) would become inf.
+  So the derivative's cotangent is zero here, and its effect, through the
+  second derivative at the pre-activation (which is not kept: recomputed
+  with one more product, in float32), goes straight to lhs, rhs and bias.
+  """
+
+  @jax.custom_vjp
+  def times_kept_derivative(out_cotangent, derivative, lhs, rhs, bias):
+    return epilogue.sum_cotangent(out_cotangent, derivative)
+
+  def forward(out_cotangent, derivative, lhs, rhs, bias):
+    return (times_kept_derivative(out_cotangent, derivative, lhs, rhs, bias),
+            (out_cotangent, derivative, lhs, rhs, bias))
+
+  def backward(residuals, cotangent):
+    out_cotangent, derivative, lhs, rhs, bias = residuals
+    pre_activation = matmul(lhs, rhs, bias, out_dtype=jnp.float32,
+                            transpose_lhs=layout.transpose_lhs,
+                            transpose_rhs=layout.transpose_rhs)
+    sum_cotangent = (cotangent * out_cotangent.astype(jnp.float32)
+                     * epilogue.second_derivative(pre_activation))
+    d_out_cotangent = cotangent * derivative.astype(jnp.float32)
+    return (cotangent_like(d_out_cotangent, out_cotangent), None,
+            *_operand_and_bias_cotangents(lhs, rhs, bias, sum_cotangent.astype(lhs.dtype),
+                                          layout))
+
+  times_kept_derivative.defvjp(forward, backward)
+  return times_kept_derivative
 
 
 def operand_cotangents(lhs, rhs, g, layout: operands.OperandLayout):

@@ -178,6 +178,31 @@ class MatmulGradTest(testing.KernelTestCase):
     for g, w in zip(got, want, strict=True):
       self.assert_close(g, w, dtype=jnp.bfloat16, tolerance=3e-2)
 
+  @parameterized.parameters("gelu", "silu")
+  def test_grad_of_grad_of_a_16_bit_output_past_float16s_range(self, activation):
+    """A bf16 output keeps a float16 derivative. A second differentiation
+    whose cotangents pass float16's 65504 (a loss summed over many values,
+    its gradient then squared) matches the reference, rather than turning
+    the derivative's float16 cotangent into inf."""
+    lhs, rhs = base.operands(56, 64, 64, 64, jnp.bfloat16)
+    bias = testing.random_array(57, (64,), jnp.float32)
+
+    def outer(inner_matmul, a, b, c):
+      def inner(a, b, c):
+        return 300.0 * jnp.sum(inner_matmul(a, b, c).astype(jnp.float32))
+      return jnp.sum(jax.grad(inner)(a, b, c).astype(jnp.float32) ** 2)
+
+    mm = functools.partial(matmul, activation=activation)
+    ref = functools.partial(matmul_reference, epilogue=Epilogue(activation=activation,
+                                                                has_bias=True))
+    got = self.run_kernel(jax.grad(functools.partial(outer, mm), argnums=(0, 1, 2)),
+                          lhs, rhs, bias)
+    want = jax.grad(functools.partial(outer, ref), argnums=(0, 1, 2))(
+        lhs.astype(jnp.float32), rhs.astype(jnp.float32), bias)
+    self.assertGreater(float(jnp.max(jnp.abs(want[0]))), 65504)
+    for g, w in zip(got, want, strict=True):
+      self.assert_close(g, w, dtype=jnp.bfloat16, tolerance=3e-2)
+
   @parameterized.parameters(*ACTIVATIONS)
   def test_epilogue_derivatives_are_autodiffs_of_the_activation(self, activation):
     epilogue = Epilogue(activation=activation)

@@ -11,6 +11,7 @@ from absl.testing import absltest, parameterized
 from core import interpret, testing
 from pipelines import (
   Epilogue,
+  Fp8Config,
   MatmulDimension,
   PipelinedConfig,
   Schedule,
@@ -611,6 +612,12 @@ class BadInputTest(parameterized.TestCase):
                        config=PipelinedConfig(tile_k=128))
     with self.assertRaisesRegex(ValueError, r"bias must have shape \(N,\)=\(512,\)"):
       matmul(lhs, rhs, jnp.zeros((7,), jnp.float16))
+    for dtype in (jnp.int32, jnp.bool_, jnp.complex64):
+      with self.assertRaisesRegex(ValueError, "bias.dtype=.* must be a real float dtype"):
+        matmul(lhs, rhs, jnp.zeros((512,), dtype))
+    for config in (dict(tile_m=64), Fp8Config()):
+      with self.assertRaisesRegex(ValueError, "config must be a TuningConfig, got"):
+        matmul(lhs, rhs, config=config)
     with self.assertRaisesRegex(ValueError, "k_splits=0 must be an int >= 1"):
       TuningConfig(k_splits=0)
     with self.assertRaisesRegex(ValueError, "k_splits=2 needs schedule=Schedule.COOPERATIVE"):

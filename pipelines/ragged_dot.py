@@ -26,8 +26,13 @@ import numpy as np
 
 from core.varying import cotangent_like
 from pipelines import heuristic, kernel_call, operands
-from pipelines.config import MatmulDimension, TuningConfig
+from pipelines.batching import refusing_gradient
+from pipelines.config import MatmulDimension, TuningConfig, check_tuning_config
 from pipelines.epilogue import PARTIAL_ROWS_BYTES, Epilogue
+
+# Its custom_vjp's rules call kernels directly, so only the first derivative exists.
+_NO_SECOND_ORDER = ("ragged_dot is differentiable once: its gradient is not differentiable "
+                    "again (no grad of grad)")
 
 
 def default_config(problem: operands.MatmulProblem, out_dtype, *,
@@ -73,7 +78,9 @@ def weight_gradient(lhs: jax.Array, g: jax.Array, group_sizes: jax.Array,
   layout = operands.OperandLayout(transpose_lhs=True)
   problem = operands.check_operands(lhs, g, layout)
   config = default_config(problem, out_dtype, ragged_k=True)
-  return kernel_call.ws_ragged_k_matmul(lhs, g, group_sizes, config=config, out_dtype=out_dtype)
+  return refusing_gradient(
+      functools.partial(kernel_call.ws_ragged_k_matmul, config=config, out_dtype=out_dtype),
+      _NO_SECOND_ORDER)(lhs, g, group_sizes)
 
 
 def _check_group_sizes(group_sizes, num_groups: int, m: int) -> None:
@@ -140,8 +147,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   epilogue = Epilogue(activation=activation)
   if config is None:
     config = default_config(problem, out_dtype)
-  if not isinstance(config, TuningConfig):
-    raise ValueError(f"config must be a TuningConfig, got {type(config).__name__}")
+  check_tuning_config(config)
   kernel_call.check_ws_config(config, operands.pad_k(problem, config.tile_k), out_dtype,
                               grouped=True)
   return _make_differentiable(config, epilogue, out_dtype, transpose_rhs)(
@@ -152,9 +158,11 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 def _make_differentiable(config: TuningConfig, epilogue: Epilogue, out_dtype,
                          transpose_rhs: bool):
   def run(lhs, rhs, group_sizes, keep_derivative=False):
-    return kernel_call.ws_ragged_matmul(lhs, rhs, group_sizes, config=config, epilogue=epilogue,
-                                        out_dtype=out_dtype, transpose_rhs=transpose_rhs,
-                                        keep_derivative=keep_derivative)
+    return refusing_gradient(
+        functools.partial(kernel_call.ws_ragged_matmul, config=config, epilogue=epilogue,
+                          out_dtype=out_dtype, transpose_rhs=transpose_rhs,
+                          keep_derivative=keep_derivative),
+        _NO_SECOND_ORDER)(lhs, rhs, group_sizes)
 
   @jax.custom_vjp
   def differentiable(lhs, rhs, group_sizes):

@@ -227,6 +227,15 @@ class RaggedDotTest(testing.KernelTestCase):
     with self.assertRaisesRegex(ValueError, r"epi_tile_n=32 of bfloat16 is 64 bytes"):
       ragged_dot(lhs, rhs, jnp.array([1, 2]), config=dataclasses.replace(SPLIT_M, epi_tile_n=32))
 
+  def test_grad_of_grad_is_refused_by_name(self):
+    lhs, rhs = operands_of(8, 64, 64, 64, 2)
+    sizes = jnp.array([30, 34], jnp.int32)
+    for activation in ("none", "gelu"):
+      def inner(a, activation=activation):
+        return jnp.sum(ragged_dot(a, rhs, sizes, activation=activation).astype(jnp.float32) ** 2)
+      with self.assertRaisesRegex(TypeError, "ragged_dot is differentiable once"):
+        jax.eval_shape(jax.grad(lambda a: jnp.sum(jax.grad(inner)(a).astype(jnp.float32))), lhs)
+
   def test_default_config_keeps_the_dense_pipeline_depth(self):
     """The grouped epilogue's staging for a group's edge rows leaves a 128x256
     tile the pipeline stages of the dense matmul's config (two stages ran
