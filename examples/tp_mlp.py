@@ -59,7 +59,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -70,7 +70,7 @@ from collectives import sharding  # noqa: E402
 from core import timing  # noqa: E402
 from core.numerics import RELATIVE_TOLERANCE, relative_error_on_device  # noqa: E402
 from pipelines.operands import MatmulProblem  # noqa: E402
-from tools import launch  # noqa: E402
+from tools import cli, launch  # noqa: E402
 
 AXIS = sharding.RING_AXIS
 X_SPEC, W1_SPEC, B1_SPEC, W2_SPEC = P(AXIS, None), P(None, AXIS), P(AXIS), P(AXIS, None)
@@ -326,4 +326,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
