@@ -106,7 +106,7 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     (D * M_shard, N_shard) of `dtype`; row block j is `lhs_j @ rhs`.
   """
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=False)
-  problem, out_dtype = operands.check_shards(lhs, rhs, dtype)
+  problem, out_dtype = operands.check_shards(lhs, rhs, dtype, config)
   requested = parse_all_gather(implementation)
   choice = choose_all_gather(num_devices, requested, problem=problem, out_dtype=out_dtype,
                               config=config)
@@ -181,7 +181,8 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
     ValueError: M not divisible by D, or operands `pipelines.matmul` refuses.
   """
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=False)
-  block, out_dtype = operands.check_reduce_scatter_operands(lhs, rhs, dtype, num_devices)
+  block, out_dtype = operands.check_reduce_scatter_operands(lhs, rhs, dtype, num_devices,
+                                                            config)
   requested = REDUCE_SCATTER_OP.parse(implementation)
   choice = choose_reduce_scatter(num_devices, requested, problem=block, out_dtype=out_dtype,
                                  config=config)

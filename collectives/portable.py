@@ -77,9 +77,9 @@ def ring_all_gather_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   Returns:
     (D * M_shard, N_shard) of `dtype`, accumulated in float32.
   """
-  del config  # XLA picks its own tiling.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=False)
-  problem, out_dtype = operands.check_shards(lhs, rhs, dtype)
+  problem, out_dtype = operands.check_shards(lhs, rhs, dtype, config)
+  del config  # XLA picks its own tiling.
   device = lax.axis_index(axis_name)
   # Each device forwards to its ring predecessor, as the Mosaic kernel does.
   to_predecessor = [(d, schedule.send_target(d, num_devices)) for d in range(num_devices)]
@@ -134,9 +134,10 @@ def xla_ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   Returns:
     (M / D, N) of `dtype`: row block d of the sum over devices of `lhs_i @ rhs_i`.
   """
-  del config  # XLA picks its own tiling.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=False)
-  block, out_dtype = operands.check_reduce_scatter_operands(lhs, rhs, dtype, num_devices)
+  block, out_dtype = operands.check_reduce_scatter_operands(lhs, rhs, dtype, num_devices,
+                                                            config)
+  del config  # XLA picks its own tiling.
   device = lax.axis_index(axis_name)
   to_predecessor = [(d, schedule.send_target(d, num_devices)) for d in range(num_devices)]
 

@@ -182,6 +182,12 @@ class ValidationTest(parameterized.TestCase):
       self.trace(fn, s((128, 64), jnp.float32), s((64, 64), jnp.float32))
     with self.assertRaisesRegex(ValueError, "dtype=float32 is not supported"):
       self.trace(fn, s((128, 64), jnp.float16), s((64, 64), jnp.float16), dtype=jnp.float32)
+    with self.assertRaisesRegex(ValueError, "dtype=int8 is not supported .* as the output dtype"):
+      self.trace(fn, s((128, 64), jnp.float16), s((64, 64), jnp.float16), dtype=jnp.int8)
+    if fn is not collectives.all_gather_then_matmul:  # It takes no config.
+      for config in ("fast", dict(tile_m=64)):
+        with self.assertRaisesRegex(ValueError, "config must be a TuningConfig, got"):
+          self.trace(fn, s((128, 64), jnp.float16), s((64, 64), jnp.float16), config=config)
 
   def test_axis_must_be_in_scope(self):
     lhs = jnp.ones((16, 64), jnp.float16)

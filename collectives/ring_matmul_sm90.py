@@ -177,7 +177,7 @@ def all_gather_lhs_matmul(lhs: jax.Array, rhs: jax.Array, axis_name, *, config: 
   interpreting = is_interpreting()
   # Simulated devices (interpret mode) may be a part of the job's CPU devices.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=not interpreting)
-  problem, out_dtype = operands.check_shards(lhs, rhs, dtype)
+  problem, out_dtype = operands.check_shards(lhs, rhs, dtype, config)
   check_ring_config(config, problem, out_dtype)
   if not interpreting:
     support = topology.mosaic_ring_support(num_devices)

@@ -229,7 +229,8 @@ def ring_matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, axis_name, *,
   interpreting = is_interpreting()
   # Simulated devices (interpret mode) may be a part of the job's CPU devices.
   num_devices = topology.ring_axis_size(axis_name, span_all_devices=not interpreting)
-  problem, out_dtype = operands.check_shards(lhs, rhs, dtype, op="the matmul + reduce-scatter")
+  problem, out_dtype = operands.check_shards(lhs, rhs, dtype, config,
+                                             op="the matmul + reduce-scatter")
   if problem.m % num_devices:
     raise ValueError(f"M (lhs.shape[0]={problem.m}) must be a multiple of the {num_devices} "
                      f"devices of mesh axis {axis_name!r}: each gets M / D rows")
