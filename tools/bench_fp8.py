@@ -240,11 +240,11 @@ def summary(records: list[dict]) -> list[str]:
 
 def main(argv):
   del argv
+  problems = ([cli.parse_shape(s) for s in _SHAPES.value] if _SHAPES.value
+              else default_problems(_MIN_M.value))
   if not has_gpu():
     raise SystemExit("bench_fp8 needs a Hopper GPU; none is visible to JAX.")
   out_dir = cli.output_dir(_OUT_DIR.value)
-  problems = ([cli.parse_shape(s) for s in _SHAPES.value] if _SHAPES.value
-              else default_problems(_MIN_M.value))
   path = os.path.join(out_dir, "fp8_bench.json")
   records = []
   for m, k, n in problems:

@@ -3,7 +3,7 @@ product it names (interpret mode on CPU)."""
 
 import jax
 import jax.numpy as jnp
-from absl.testing import absltest
+from absl.testing import absltest, flagsaver
 
 import simulator
 from core import testing
@@ -26,6 +26,12 @@ class ProblemsTest(absltest.TestCase):
     self.assertGreaterEqual(len(problems), 10)
     self.assertTrue(all(m >= 1024 for m, _, _ in problems))
     self.assertIn((8192, 8192, 8192), problems)
+
+  def test_a_bad_shape_fails_before_anything_runs(self):
+    # Checked before the GPU is looked for, so a typo fails on any machine.
+    with flagsaver.flagsaver(shapes=["4096x4096"]), \
+        self.assertRaisesRegex(ValueError, "shape '4096x4096' must be 3 positive integers"):
+      bench.main([])
 
 
 class ImplementationsTest(testing.KernelTestCase):

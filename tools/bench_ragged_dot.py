@@ -294,9 +294,6 @@ def summary(records: list[dict]) -> list[str]:
 
 def main(argv):
   del argv
-  if not has_gpu():
-    raise SystemExit("bench_ragged_dot needs a Hopper GPU; none is visible to JAX.")
-  out_dir = cli.output_dir(_OUT_DIR.value)
   by_name = {layer.name: layer for layer in LAYERS}
   for flag, values, known in ((_LAYERS, _LAYERS.value, sorted(by_name)),
                               (_ROUTINGS, _ROUTINGS.value, ROUTINGS), (_IMPLS, _IMPLS.value, IMPLS),
@@ -304,6 +301,9 @@ def main(argv):
     unknown = [value for value in values if value not in known]
     if unknown:
       raise SystemExit(f"--{flag.name}: unknown {unknown}; known: {list(known)}")
+  if not has_gpu():
+    raise SystemExit("bench_ragged_dot needs a Hopper GPU; none is visible to JAX.")
+  out_dir = cli.output_dir(_OUT_DIR.value)
   records = []
   path = os.path.join(out_dir, "ragged_dot_bench.json")
   for name, routing in itertools.product(_LAYERS.value, _ROUTINGS.value):

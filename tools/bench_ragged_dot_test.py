@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl.testing import absltest, parameterized
+from absl.testing import absltest, flagsaver, parameterized
 
 import simulator
 from core import testing
@@ -34,6 +34,14 @@ class RoutingTest(parameterized.TestCase):
     self.assertEqual(sizes[0], layer.m)
     with self.assertRaisesRegex(ValueError, "routing='even' must be one of"):
       bench.group_sizes(layer, "even")
+
+  def test_unknown_flag_values_fail_before_anything_runs(self):
+    # Checked before the GPU is looked for, so a typo fails on any machine.
+    for flag, value in (("layers", "mixtral"), ("routings", "even"), ("impls", "cublas"),
+                        ("passes", "backward_only")):
+      with flagsaver.flagsaver(**{flag: [value]}), \
+          self.assertRaisesRegex(SystemExit, f"--{flag}: unknown \\['{value}'\\]"):
+        bench.main([])
 
   def test_layers_cover_few_large_and_many_small_experts_and_decode(self):
     groups = {layer.groups for layer in bench.LAYERS}
