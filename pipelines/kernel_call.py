@@ -177,6 +177,13 @@ def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
                             rhs_multicast=config.cluster_m > 1)
 
 
+# A quantized output's row maxima reduce within warps (each row of a wgmma
+# accumulator lives in one warp), so its kernels need no cross-warp scratch
+# in SMEM; Mosaic GPU otherwise reserves 2048 bytes for any reduction, beyond
+# what the SMEM budgets count.
+NO_REDUCTION_SCRATCH = 0
+
+
 def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_axes=(),
                       cluster_size: int = 1, reduction_scratch_bytes: int | None = None):
   """`plgpu.kernel` for a warp-specialized body: `num_blocks` persistent blocks on
@@ -341,7 +348,8 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   kernel = persistent_kernel(
       body, out_type=out_types,
       num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
-      name=f"ws_matmul_{config.schedule.value}_{layout.name}")
+      name=f"ws_matmul_{config.schedule.value}_{layout.name}",
+      reduction_scratch_bytes=NO_REDUCTION_SCRATCH if quantized else None)
   outs = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)),
                 *((column_scales,) if scaled else ()))
   if not config.fuses_epilogue:
@@ -670,9 +678,6 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   out_type = jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype)
   if quantized:  # And the output's scales, one per row and TILE_N columns, transposed.
     out_type = (out_type, jax.ShapeDtypeStruct((padded_n // tile_n, padded_m), jnp.float32))
-  # A quantized output's row maxima reduce within warps (each row of a wgmma
-  # accumulator lives in one warp): no cross-warp scratch in SMEM.
-  no_reduction_scratch = 0
   if config.runs_persistent:
     tiles = (padded_m // tile_m) * (padded_n // tile_n)
     kernel = persistent_kernel(
@@ -680,7 +685,7 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
                           rhs_row_scales=rhs_row_scales),
         out_type=out_type, num_blocks=min(device_facts().sm_count, tiles),
         name="fp8_block_scaled_matmul_persistent",
-        reduction_scratch_bytes=no_reduction_scratch)
+        reduction_scratch_bytes=NO_REDUCTION_SCRATCH)
     return _fp8_result(kernel(*args), m, n, quantized)
   body = emit_fp8_matmul if config.compute_wgs == 1 else emit_fp8_matmul_warp_specialized
   # The warp-specialized body runs its compute warpgroups and a memory warpgroup.
@@ -692,7 +697,7 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
       grid=(padded_m // tile_m, padded_n // tile_n),
       grid_names=(M_AXIS, N_AXIS),
       **threads,
-      compiler_params=compiler_params(reduction_scratch_bytes=no_reduction_scratch),
+      compiler_params=compiler_params(reduction_scratch_bytes=NO_REDUCTION_SCRATCH),
       interpret=interpret_params(),
       kernel_name="fp8_block_scaled_matmul",
   ))
