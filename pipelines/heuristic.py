@@ -24,6 +24,7 @@ from pipelines.config import (
   MatmulDimension,
   Schedule,
   TuningConfig,
+  check_swizzle,
   k_range_steps,
   operand_swizzle,
 )
@@ -626,15 +627,22 @@ def quantized_output_config(problem: operands.MatmulProblem) -> TuningConfig:
   warpgroups split M (so each one's columns start on a quantization block)
   in tiles of 128 or, where that choice is wider than 128 columns, 256
   columns; epilogue tiles of 128 columns (one block each); no split of K
-  nor cluster; then the deepest pipeline up to 6 stages that fits. Not
-  measured on a GPU yet: it reuses the measured choice of tile height and
-  width, not a fitted one.
+  nor cluster; the choice's K step where these wider tiles can swizzle it
+  (a short K step of a (K, M) LHS cannot: its 128-column tiles take a
+  128-byte swizzle, which needs 64-element K steps), else 64; then the
+  deepest pipeline up to 6 stages that fits. It reuses the measured choice
+  of tile height and width, not a fitted one.
   """
   base = default_config(problem, jnp.bfloat16, cooperative_only=True)
   tiles = TuningConfig(tile_m=64, tile_n=256 if base.cta_tile_n > 128 else 128,
                        tile_k=base.tile_k, wg_dimension=MatmulDimension.M,
                        epi_tile_n=FP8_SCALE_BLOCK, grid_minor_dim=base.grid_minor_dim,
                        grid_tile_width=base.grid_tile_width)
+  try:
+    check_swizzle(tiles, problem.dtype, transpose_lhs=problem.layout.transpose_lhs,
+                  transpose_rhs=problem.layout.transpose_rhs)
+  except ValueError:
+    tiles = dataclasses.replace(tiles, tile_k=TuningConfig().tile_k)
   padded = operands.pad_k(problem, tiles.tile_k)
   for steps in range(6, 1, -1):
     config = dataclasses.replace(tiles, max_concurrent_steps=steps)

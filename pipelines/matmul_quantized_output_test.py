@@ -12,8 +12,10 @@ from pipelines import (
   TuningConfig,
   dequantize_fp8,
   fp8_matmul,
+  kernel_call,
   matmul,
   matmul_reference,
+  operands,
   quantize_fp8,
 )
 from pipelines import matmul_test_base as base
@@ -73,6 +75,10 @@ class QuantizedOutputTest(testing.KernelTestCase):
     self.check(100, 200, 300, seed=70, layout=layout,
                epilogue=Epilogue(activation="gelu", has_bias=True))
 
+  def test_short_k_under_a_transposed_lhs(self):
+    """A K of one short step with a (K, M) LHS: the default config's K step."""
+    self.check(64, 24, 50, seed=72, layout=base.LAYOUTS[2])
+
   @parameterized.parameters(
       # Warpgroups of 128 and 256 columns (a block's sub-tiles are the
       # warpgroup's 128-column epilogue tiles), and one pipeline stage short.
@@ -122,14 +128,20 @@ class QuantizedOutputTest(testing.KernelTestCase):
 
 class QuantizedOutputConfigTest(parameterized.TestCase):
 
-  @parameterized.parameters((1, 4096, 4096), (2048, 4096, 5120), (8192, 4096, 14336),
-                            (100, 200, 300), (4096, 16, 4096))
-  def test_config_can_quantize(self, m, k, n):
+  @parameterized.product(shape=[(1, 4096, 4096), (2048, 4096, 5120), (8192, 4096, 14336),
+                                (100, 200, 300), (4096, 16, 4096), (64, 24, 50)],
+                         layout=base.LAYOUTS)
+  def test_config_can_quantize(self, shape, layout):
     """Cooperative, unsplit, warpgroups along M a multiple of 128 columns wide
-    with 128-column epilogue tiles: each sub-tile row is one block."""
+    with 128-column epilogue tiles: each sub-tile row is one block; and a
+    config the kernel runs (a K of 17-32 under a (K, M) LHS once got its
+    narrower tiles' 32-element K step, which 128-column tiles cannot swizzle)."""
+    m, k, n = shape
+    problem = MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16), layout=layout)
     with testing.facts_of_the_fitted_gpu():
-      config = quantized_output_config(MatmulProblem(m=m, k=k, n=n,
-                                                     dtype=jnp.dtype(jnp.bfloat16)))
+      config = quantized_output_config(problem)
+      kernel_call.check_ws_config(config, operands.pad_k(problem, config.tile_k), F8,
+                                  has_bias=True)
     self.assertEqual((config.k_splits, config.cluster_m, config.epi_tile_n, config.wg_dimension),
                      (1, 1, 128, MatmulDimension.M))
     self.assertIn(config.tile_n, (128, 256))
