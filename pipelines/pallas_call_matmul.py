@@ -143,7 +143,8 @@ def pallas_call_matmul(lhs: jax.Array, rhs: jax.Array, *,
   problem = operands.check_operands(lhs, rhs)
   out_dtype = operands.check_out_dtype(out_dtype, problem.dtype)
   tile_m, tile_n = config.tile_m, config.tile_n
-  tile_k = problem.k if all_parallel else config.tile_k
+  # All parallel, one K step is the whole K (none where K = 0).
+  tile_k = problem.k if all_parallel and problem.k else config.tile_k
   if problem.m % tile_m or problem.n % tile_n:
     raise ValueError(f"M={problem.m} and N={problem.n} must be multiples of "
                      f"tile_m={tile_m} and tile_n={tile_n} on the pallas_call path")

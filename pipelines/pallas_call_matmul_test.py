@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest, parameterized
 
 from core import interpret, testing
@@ -114,6 +115,13 @@ class PallasCallMatmulTest(testing.KernelTestCase):
     # And the same numbers.
     out = self.run_kernel(all_parallel, lhs, rhs)
     self.assert_close(out, matmul_reference(lhs, rhs), dtype=jnp.float16)
+
+  def test_empty_k_without_a_sequential_dimension(self):
+    # One K step of the whole K, where K = 0, is no step: zeros, as jnp.dot gives.
+    lhs, rhs = jnp.ones((64, 0), jnp.float16), jnp.ones((0, 64), jnp.float16)
+    out = pallas_call_matmul(lhs, rhs, config=PipelinedConfig(tile_m=64, tile_n=64),
+                             all_parallel=True)
+    np.testing.assert_array_equal(np.asarray(out), np.zeros((64, 64), np.float16))
 
 
 if __name__ == "__main__":
