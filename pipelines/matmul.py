@@ -25,11 +25,13 @@ from pipelines.heuristic import default_config, quantized_output_config
 CACHE_MISS_MODES = ("heuristic", "tune", "error")
 
 def choose_config(problem: operands.MatmulProblem, out_dtype, *,
-                  on_cache_miss: str = "heuristic", lhs=None, rhs=None) -> TuningConfig:
-  """The cached config for `problem`, or what `on_cache_miss` says to do."""
+                  on_cache_miss: str = "heuristic", lhs=None, rhs=None,
+                  has_bias: bool = False) -> TuningConfig:
+  """The cached config for `problem` (one the kernel runs, with a bias if
+  `has_bias`), or what `on_cache_miss` says to do."""
   if on_cache_miss not in CACHE_MISS_MODES:
     raise ValueError(f"on_cache_miss={on_cache_miss!r} must be one of {CACHE_MISS_MODES}")
-  cached = tuning_cache.lookup(problem, out_dtype)
+  cached = tuning_cache.lookup(problem, out_dtype, has_bias=has_bias)
   if cached is not None:
     return cached
   match on_cache_miss:
@@ -111,7 +113,8 @@ def matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
     # Nothing to tune or launch: `ws_matmul` returns without a kernel.
     config = default_config(problem, out_dtype)
   if config is None:
-    config = choose_config(problem, out_dtype, on_cache_miss=on_cache_miss, lhs=lhs, rhs=rhs)
+    config = choose_config(problem, out_dtype, on_cache_miss=on_cache_miss, lhs=lhs, rhs=rhs,
+                           has_bias=bias is not None)
   return _make_differentiable(config, epilogue, out_dtype, layout)(lhs, rhs, bias)
 
 

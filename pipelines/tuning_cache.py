@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from core import device_facts
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
-from pipelines.operands import NN, MatmulProblem
+from pipelines.kernel_call import check_ws_config
+from pipelines.operands import NN, MatmulProblem, pad_k
 
 CACHE_ENV = "MGPU_TUNING_CACHE"
 DEFAULT_CACHE = pathlib.Path(__file__).with_name("tuning_cache.json")
@@ -161,11 +162,13 @@ def _entry_config(entry: Any) -> TuningConfig:
     raise ValueError(f"invalid config {json.dumps(entry['config'])[:200]}: {e}") from e
 
 
-def lookup(problem: MatmulProblem, out_dtype) -> TuningConfig | None:
+def lookup(problem: MatmulProblem, out_dtype, *, has_bias: bool = False) -> TuningConfig | None:
   """The cached config for this problem on this GPU and jax, or None.
 
-  None also when the cache file or this problem's entry is unusable; that is
-  logged as a warning naming the file (and the key), once.
+  None also when the cache file or this problem's entry is unusable: not a
+  config, or one the kernel cannot run on this problem (with a bias, if
+  `has_bias`: a hand-edited or stale entry); that is logged as a warning
+  naming the file (and the key), once.
   """
   path = cache_path()
   key = cache_key(problem, out_dtype)
@@ -173,7 +176,9 @@ def lookup(problem: MatmulProblem, out_dtype) -> TuningConfig | None:
   if entry is None:
     return None
   try:
-    return _entry_config(entry)
+    config = _entry_config(entry)
+    check_ws_config(config, pad_k(problem, config.tile_k), out_dtype, has_bias=has_bias)
+    return config
   except ValueError as e:
     _warn_once(path, f"entry {key}", f"tuning cache {path}: skipping entry {key!r}: {e}; "
                "using the heuristic config")

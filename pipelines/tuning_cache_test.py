@@ -1,6 +1,7 @@
 """The tuning cache: reading files that are broken, stores that fail, and stores from
 several processes at once."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from absl.testing import absltest
 
 from pipelines import kernel_call, tuning_cache
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
-from pipelines.operands import MatmulProblem
+from pipelines.operands import MatmulProblem, OperandLayout
 
 PROBLEM = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16))
 CONFIG = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
@@ -29,7 +30,7 @@ import json, logging, pathlib, sys, time
 import jax.numpy as jnp
 from pipelines import tuning_cache
 from pipelines.config import TuningConfig
-from pipelines.operands import MatmulProblem
+from pipelines.operands import MatmulProblem, OperandLayout
 
 role, path, flags, worker, count = sys.argv[1:]
 path, flags, worker, count = pathlib.Path(path), pathlib.Path(flags), int(worker), int(count)
@@ -115,6 +116,18 @@ class TuningCacheTest(absltest.TestCase):
   def test_entry_that_fails_validation_is_skipped_naming_the_key(self):
     self.write(json.dumps({self.key: {"config": dict(self.entry["config"], tile_k=24)}}))
     self.assert_falls_back_with_one_warning(repr(self.key), "tile_k")
+
+  def test_entry_the_kernel_cannot_run_on_its_problem_is_skipped_naming_the_key(self):
+    # A valid config, but under a (K, M) LHS its 32-element K step cannot be
+    # swizzled: matmul would have raised on a config the user never gave.
+    problem = dataclasses.replace(PROBLEM, layout=OperandLayout(transpose_lhs=True))
+    key = tuning_cache.cache_key(problem, jnp.float16)
+    self.write(json.dumps({key: {"config": tuning_cache.config_to_json(
+        dataclasses.replace(CONFIG, tile_k=32))}}))
+    with self.assertLogs(LOGGER, logging.WARNING) as logs:
+      self.assertIsNone(tuning_cache.lookup(problem, jnp.float16))
+    self.assertIn(repr(key), logs.output[0])
+    self.assertIn("tile_k=32 must be a multiple of 64", logs.output[0])
 
   def test_entry_with_an_unknown_enum_name_is_skipped_naming_the_key(self):
     self.write(json.dumps({self.key: {"config": dict(self.entry["config"], schedule="ZIGZAG")}}))
