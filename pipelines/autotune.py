@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import pathlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -47,6 +48,13 @@ class SearchSpace:
   # with a ragged N would be padded (`TuningConfig.rhs_tile_n`, `cluster_m`).
   rhs_tile_n: tuple[int | None, ...] = (None,)
   cluster_m: tuple[int, ...] = (1,)
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      values = getattr(self, field.name)
+      if not isinstance(values, (tuple, list)) or not values:
+        raise ValueError(f"SearchSpace.{field.name} must be a non-empty tuple of the values to "
+                         f"sweep, got {values!r}")
 
   def configs(self) -> Iterable[TuningConfig]:
     seen = set()
@@ -110,6 +118,9 @@ def _split_feasible(problem: operands.MatmulProblem, out_dtype,
   """(configs that pass the problem and SMEM checks, the others with their reason)."""
   feasible, infeasible = [], []
   for config in space.configs() if isinstance(space, SearchSpace) else space:
+    if not isinstance(config, TuningConfig):
+      raise ValueError(f"space must be a SearchSpace or TuningConfigs, but holds "
+                       f"{type(config).__name__} {config!r}")
     try:
       # Against the K that `ws_matmul` pads to, as it checks the config itself.
       kernel_call.check_ws_config(
@@ -126,7 +137,7 @@ def feasible_configs(problem: operands.MatmulProblem, out_dtype,
                      space: SearchSpace | Iterable[TuningConfig]) -> list[TuningConfig]:
   """Configs of `space` (or given ones) that pass the problem and SMEM checks
   (nothing compiled), for K padded as the matmul wrapper pads it."""
-  return _split_feasible(problem, out_dtype, space)[0]
+  return _split_feasible(problem, operands.check_out_dtype(out_dtype, problem.dtype), space)[0]
 
 
 def _failure_summary(problem: operands.MatmulProblem, out_dtype,
@@ -197,8 +208,11 @@ def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
       if not err <= tolerance:
         results.append(Candidate(config=config, median_us=None,
                                  reason=f"wrong result: relative error {err:.2e} > {tolerance}"))
+      elif not math.isfinite(median_us := timer(run, (lhs, rhs))):
+        results.append(Candidate(config=config, median_us=None,
+                                 reason=f"timing failed: the timer returned {median_us}"))
       else:
-        results.append(Candidate(config=config, median_us=timer(run, (lhs, rhs))))
+        results.append(Candidate(config=config, median_us=median_us))
     except Exception as e:  # A config Mosaic GPU cannot compile loses, it does not stop the sweep.
       reason = f"{type(e).__name__}: {e}"[:_REASON_CHARS]
       results.append(Candidate(config=config, median_us=None, reason=reason))

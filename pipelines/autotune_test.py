@@ -71,6 +71,24 @@ class AutotuneTest(absltest.TestCase):
     self.assertEqual(sweep.rejected[1].reason,
                      "RuntimeError: Mosaic GPU failed to compile the kernel")
 
+  def test_a_non_finite_time_is_rejected_not_the_winner(self):
+    times = iter([float("nan"), 2.0])
+    with mock.patch.object(kernel_call, "ws_matmul", fake_ws_matmul):
+      sweep = autotune.tune(self.lhs, self.rhs, space=[GOOD, dataclasses.replace(GOOD)],
+                            timer=lambda fn, args: next(times), log=self.log)
+    self.assertEqual([c.median_us for c in sweep.timed], [2.0])
+    self.assertEqual(sweep.rejected[0].reason, "timing failed: the timer returned nan")
+
+  def test_bad_spaces_and_out_dtypes_name_the_argument(self):
+    problem = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16))
+    with self.assertRaisesRegex(ValueError, r"SearchSpace.tile_m must be a non-empty tuple"):
+      autotune.SearchSpace(tile_m=64)
+    with self.assertRaisesRegex(ValueError, "space must be a SearchSpace or TuningConfigs, but "
+                                "holds dict"):
+      autotune.feasible_configs(problem, jnp.float16, [dict(tile_m=64)])
+    with self.assertRaisesRegex(ValueError, "out_dtype=int8 must be"):
+      autotune.feasible_configs(problem, jnp.int8, [GOOD])
+
   def test_no_passing_config_raises_with_reasons_by_kind(self):
     problem = MatmulProblem(m=128, k=128, n=128, dtype=jnp.dtype(jnp.float16))
     also_wrong = dataclasses.replace(WRONG, max_concurrent_steps=5)
