@@ -55,9 +55,9 @@ CPU_COLUMNS_NOTE = ("note: no GPU, so no kernel_util, lower_bound_us, lower_boun
 
 _DEVICE_COUNTS = flags.DEFINE_list("device_counts", None,
                                    "Ring sizes; default: 1, 2, 4, 8 up to what the host has.")
-_M_SHARD = flags.DEFINE_integer("m_shard", None, "LHS rows per device.")
-_K = flags.DEFINE_integer("k", None, "Contraction size.")
-_N_SHARD = flags.DEFINE_integer("n_shard", None, "RHS columns per device.")
+_M_SHARD = flags.DEFINE_integer("m_shard", None, "LHS rows per device.", lower_bound=1)
+_K = flags.DEFINE_integer("k", None, "Contraction size.", lower_bound=1)
+_N_SHARD = flags.DEFINE_integer("n_shard", None, "RHS columns per device.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "float16", ["float16", "bfloat16"], "Operand dtype.")
 _CONFIG = flags.DEFINE_string("config", "",
                               "TuningConfig fields, e.g. tile_m=64,tile_n=256,wg_dimension=M; "
@@ -65,7 +65,8 @@ _CONFIG = flags.DEFINE_string("config", "",
 _IMPLEMENTATION = flags.DEFINE_enum("implementation", "auto",
                                     ["auto", "mosaic", "xla_ring", "xla_all_gather"],
                                     "Force an implementation.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per measurement (GPU).")
+_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per measurement (GPU).",
+                                   lower_bound=1)
 _JSON = flags.DEFINE_string("json", None, "Also write the rows to this JSON file "
                             "(relative to where the command ran).")
 

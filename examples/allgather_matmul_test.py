@@ -47,6 +47,11 @@ class AllGatherMatmulExampleTest(absltest.TestCase):
                             for d in allgather_matmul.SIMULATED_DEVICE_COUNTS])
     self.assertIn("race detection: no race between the simulated devices", lines)
 
+  def test_a_size_of_zero_is_refused_not_replaced_by_the_default(self):
+    result = run_example("--m_shard=0")
+    self.assertEqual(result.returncode, 1, result.stdout)
+    self.assertIn("flag --m_shard=0: 0 is not a positive integer", result.stderr)
+
   def test_help_exits_zero(self):
     result = run_example("--help")
     self.assertEqual(result.returncode, 0, result.stderr)

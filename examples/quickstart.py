@@ -17,8 +17,9 @@ from core import device_facts, is_interpreting
 from examples import quickstart_kernels
 from tools import cli
 
-_LENGTH = flags.DEFINE_integer("length", 4096, "Length of the iota (a multiple of --block).")
-_BLOCK = flags.DEFINE_integer("block", 256, "Elements per grid block of the iota.")
+_LENGTH = flags.DEFINE_integer("length", 4096, "Length of the iota (a multiple of --block).",
+                               lower_bound=1)
+_BLOCK = flags.DEFINE_integer("block", 256, "Elements per grid block of the iota.", lower_bound=1)
 
 
 def main(argv):

@@ -268,9 +268,10 @@ def run_row(num_devices: int, shape: Shape, *, block: str = "gated", dtype=jnp.b
 
 _DEVICE_COUNTS = flags.DEFINE_list("device_counts", None,
                                    "Mesh sizes; default: every GPU of the host, or 8 CPU devices.")
-_SEQ_SHARD = flags.DEFINE_integer("seq_shard", None, "Sequence rows per device (S / D).")
-_HIDDEN = flags.DEFINE_integer("hidden", None, "Model width H.")
-_FFN_SHARD = flags.DEFINE_integer("ffn_shard", None, "MLP width per device (F / D).")
+_SEQ_SHARD = flags.DEFINE_integer("seq_shard", None, "Sequence rows per device (S / D).",
+                                  lower_bound=1)
+_HIDDEN = flags.DEFINE_integer("hidden", None, "Model width H.", lower_bound=1)
+_FFN_SHARD = flags.DEFINE_integer("ffn_shard", None, "MLP width per device (F / D).", lower_bound=1)
 _BLOCK = flags.DEFINE_enum("block", "gated", list(BLOCKS),
                            "The MLP: gated (silu gate, fused gate/up weight) or gelu (with bias).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float16", "bfloat16"],
@@ -279,7 +280,7 @@ _IMPLEMENTATION = flags.DEFINE_enum("implementation", "auto", list(IMPLEMENTATIO
                                     "Implementation of both collective matmuls; 'naive' is "
                                     "lax.all_gather + dot and dot + lax.psum_scatter.")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 0.1, "SGD step size.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed steps per model.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed steps per model.", lower_bound=1)
 
 
 def main(argv):

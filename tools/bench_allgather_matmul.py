@@ -18,9 +18,9 @@ from absl import flags
 from tools import cli, collective_table, launch, report
 
 _DEVICE_COUNTS = flags.DEFINE_list("device_counts", ["2", "4", "8"], "Ring sizes.")
-_M_SHARD = flags.DEFINE_integer("m_shard", 1024, "LHS rows per device.")
-_K = flags.DEFINE_integer("k", 4096, "Contraction size.")
-_N_SHARD = flags.DEFINE_integer("n_shard", 4096, "RHS columns per device.")
+_M_SHARD = flags.DEFINE_integer("m_shard", 1024, "LHS rows per device.", lower_bound=1)
+_K = flags.DEFINE_integer("k", 4096, "Contraction size.", lower_bound=1)
+_N_SHARD = flags.DEFINE_integer("n_shard", 4096, "RHS columns per device.", lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", "float16", ["float16", "bfloat16"], "Operand dtype.")
 _OP = flags.DEFINE_enum(
     "op", "all_gather", list(collective_table.OPS),
@@ -30,7 +30,7 @@ _OP = flags.DEFINE_enum(
     "output block).")
 _CONFIGS = flags.DEFINE_multi_string("config", [""], "TuningConfig fields (repeat to compare); "
                                      "empty: the matmul heuristic.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per measurement.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per measurement.", lower_bound=1)
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
                                "Where results go; relative to where the command ran.")
 

@@ -69,9 +69,12 @@ QUANTIZED_BASELINE = "quantized output: jnp.dot, then quantize_fp8"
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
                                "Where results go; relative to where the command ran.")
 _SHAPES = flags.DEFINE_list("shapes", None, "Problems as MxKxN (instead of the model shapes).")
-_MIN_M = flags.DEFINE_integer("min_m", 1024, "Fewest rows of a model-suite problem to time.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed runs per implementation and round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds in which the implementations take turns.")
+_MIN_M = flags.DEFINE_integer("min_m", 1024, "Fewest rows of a model-suite problem to time.",
+                              lower_bound=1)
+_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed runs per implementation and round.",
+                                   lower_bound=1)
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds in which the implementations take turns.",
+                               lower_bound=1)
 _TRAIN = flags.DEFINE_bool("train", False, "Also time a layer's forward + backward.")
 _QUANTIZED_OUTPUT = flags.DEFINE_bool(
     "quantized_output", False, "Also time a bf16 product whose output is quantized to e4m3.")

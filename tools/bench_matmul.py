@@ -103,8 +103,10 @@ _HALF = flags.DEFINE_enum("half", BOTH_HALVES, [*model_shapes.HALVES, BOTH_HALVE
                           "are fitted on, those they are checked on, or both.")
 _SHAPES = flags.DEFINE_list("shapes", None, "Problems as MxKxN (instead of --suite).")
 _DTYPES = flags.DEFINE_list("dtypes", ["float16", "bfloat16"], "Operand dtypes.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per kernel and round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds in which the kernels take turns.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 50, "Timed runs per kernel and round.",
+                                   lower_bound=1)
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds in which the kernels take turns.",
+                               lower_bound=1)
 _SUSTAIN_S = flags.DEFINE_float(
     "sustain_s", 0.0, "Also run each kernel back to back for this many seconds, sampling "
     "the SM clock and power with nvidia-smi (0: skip).")

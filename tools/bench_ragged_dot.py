@@ -89,7 +89,8 @@ _ROUTINGS = flags.DEFINE_list("routings", ["balanced", "skewed"],
 _IMPLS = flags.DEFINE_list("impls", [impl for impl in IMPLS if impl != "ours_dense"],
                            "Implementations to time: " + ", ".join(IMPLS) + ".")
 _PASSES = flags.DEFINE_list("passes", list(PASSES), "Passes: " + ", ".join(PASSES) + ".")
-_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed calls per implementation.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 20, "Timed calls per implementation.",
+                                   lower_bound=1)
 
 
 def group_sizes(layer: MoeLayer, routing: str) -> np.ndarray:

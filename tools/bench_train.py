@@ -141,8 +141,10 @@ _PASSES = flags.DEFINE_list("passes", list(PASSES), "Passes: " + ", ".join(PASSE
 # the next at another (the 2026-12-04 runs of 10 calls in 2 rounds spread their
 # rounds' ratios over 0.88-0.97 where 5 calls in 6 rounds gave 0.99 on the same
 # step: docs/performance-log.md, "Training steps and the clock").
-_ITERATIONS = flags.DEFINE_integer("iterations", 5, "Timed calls per implementation and round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 6, "Rounds in which the implementations take turns.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 5, "Timed calls per implementation and round.",
+                                   lower_bound=1)
+_ROUNDS = flags.DEFINE_integer("rounds", 6, "Rounds in which the implementations take turns.",
+                               lower_bound=1)
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Tiny layers (" + ",".join(QUICK_SIZES) + ") unless --sizes is given, 2 "
     "iterations and 2 rounds unless given; runs without a GPU (interpret mode, wall clock).")

@@ -74,12 +74,14 @@ PYTHON_NAMES = ("python", "python3")
 # the checkout, under `bazel run` the runfiles' workspace folder.
 WORKSPACE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes to start.", lower_bound=1)
 _PLATFORM = flags.DEFINE_enum("platform", "auto", ["auto", "gpu", "cpu"],
                               "auto: GPUs when nvidia-smi lists any, else CPU devices.")
-_GPUS_PER_PROCESS = flags.DEFINE_integer("gpus_per_process", 1, "GPUs each process sees.")
+_GPUS_PER_PROCESS = flags.DEFINE_integer("gpus_per_process", 1, "GPUs each process sees.",
+                                         lower_bound=1)
 _DEVICES_PER_PROCESS = flags.DEFINE_integer("devices_per_process", 1,
-                                            "CPU devices each process gets (CPU platform).")
+                                            "CPU devices each process gets (CPU platform).",
+                                            lower_bound=1)
 _TIMEOUT = flags.DEFINE_float("timeout", 600.0, "Seconds before every process is killed.")
 _TERMINATE_GRACE = flags.DEFINE_float("terminate_grace", TERMINATE_GRACE_S,
                                       "Seconds between SIGTERM and SIGKILL to a process group.")
