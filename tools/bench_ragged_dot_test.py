@@ -7,6 +7,7 @@ from absl.testing import absltest, flagsaver, parameterized
 
 import simulator
 from core import testing
+from core.numerics import relative_error
 from pipelines import matmul_test_base as base
 from tools import bench_ragged_dot as bench
 
@@ -62,6 +63,21 @@ class TimedProductsTest(testing.KernelTestCase):
       got = self.run_kernel(jax.jit(bench.ours_dense), lhs, rhs)
     self.assert_close(got, jnp.dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32)),
                       dtype=jnp.bfloat16)
+
+  def test_ours_dense_error_is_against_the_dense_product(self):
+    """`ours_dense` ignores the routing, so its error is measured against
+    lhs @ rhs[0] (against the grouped product it read 1.4 under balanced
+    routing); the grouped implementations' against the ragged product."""
+    lhs = testing.random_array(4, (200, 128), jnp.bfloat16)
+    rhs = testing.random_array(5, (3, 128, 192), jnp.bfloat16)
+    sizes = jnp.array([70, 100, 30], jnp.int32)
+    want = bench.forward_references(lhs, rhs, sizes)
+    with base.with_blocks(2):
+      dense = self.run_kernel(jax.jit(bench.ours_dense), lhs, rhs[0])
+      grouped = self.run_kernel(jax.jit(bench.implementations(None)["ours"]), lhs, rhs, sizes)
+    self.assertLess(relative_error(dense, want["dense"]), 1e-2)
+    self.assertLess(relative_error(grouped, want["grouped"]), 1e-2)
+    self.assertGreater(relative_error(dense, want["grouped"]), 0.5)
 
   def test_ours_and_xlas_are_the_same_gradient(self):
     """What the weight_gradient pass times: the same (G, K, N) on both sides."""
