@@ -53,11 +53,11 @@ def default_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   if heuristic.clusters_take_no_more_waves(BASE_CONFIG, problem):
     config = dataclasses.replace(config, cluster_m=2)
   padded = operands.pad_k(problem, config.tile_k)
-  for steps in range(config.max_concurrent_steps, 1, -1):
-    candidate = dataclasses.replace(config, max_concurrent_steps=steps)
-    if kernel_call.ws_smem_budget(candidate, padded, out_dtype, gated=True).fits():
-      return candidate
-  raise AssertionError("unreachable: two stages of BASE_CONFIG's tiles always fit")
+  config = heuristic.deepest_fitting(
+      config, range(config.max_concurrent_steps, 1, -1),
+      lambda c: kernel_call.ws_smem_budget(c, padded, out_dtype, gated=True).fits())
+  assert config is not None, "two stages of BASE_CONFIG's tiles always fit"
+  return config
 
 
 def gated_linear_unit(x: jax.Array, w_gate: jax.Array, w_up: jax.Array | None = None, *,

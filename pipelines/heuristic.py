@@ -464,6 +464,17 @@ def _with_rhs_copy_us(config: TuningConfig, time_us: float, problem: operands.Ma
   return time_us + _rhs_padding_us(config, problem, out_dtype)
 
 
+def deepest_fitting(config: TuningConfig, stages, fits) -> TuningConfig | None:
+  """`config` with the first of `stages` (pipeline depths, deepest first) for
+  which `fits(config)` holds, or None if none does. Deeper pipelines hide
+  more load latency, so every default takes the deepest that its SMEM holds."""
+  for steps in stages:
+    candidate = dataclasses.replace(config, max_concurrent_steps=steps)
+    if fits(candidate):
+      return candidate
+  return None
+
+
 def clusters_take_no_more_waves(config: TuningConfig, problem: operands.MatmulProblem) -> bool:
   """Whether pairs of vertically adjacent CTA tiles, run as 2-CTA clusters
   (`TuningConfig.cluster_m` = 2), take no more waves on the SMs than single
@@ -644,11 +655,11 @@ def quantized_output_config(problem: operands.MatmulProblem) -> TuningConfig:
   except ValueError:
     tiles = dataclasses.replace(tiles, tile_k=TuningConfig().tile_k)
   padded = operands.pad_k(problem, tiles.tile_k)
-  for steps in range(6, 1, -1):
-    config = dataclasses.replace(tiles, max_concurrent_steps=steps)
-    if kernel_call.ws_smem_budget(config, padded, FP8_DTYPE, has_bias=True).fits():
-      return config
-  raise AssertionError("unreachable: two stages of 128x256 tiles always fit")
+  config = deepest_fitting(
+      tiles, range(6, 1, -1),
+      lambda c: kernel_call.ws_smem_budget(c, padded, FP8_DTYPE, has_bias=True).fits())
+  assert config is not None, "two stages of 128x256 tiles always fit"
+  return config
 
 
 def _finished_config(problem: operands.MatmulProblem, out_dtype, *,
@@ -680,11 +691,11 @@ def _narrow_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   # min() keeps the fewest splits of equal times.
   splits = min(_k_splits_options(problem, tiles, min_k=_MIN_SPLIT_K_NARROW),
                key=lambda splits: _estimated_time_us(problem, tiles, tile_cost, splits))
-  for steps in _NARROW_STAGES:
-    config = dataclasses.replace(tiles, max_concurrent_steps=steps, k_splits=splits)
-    if kernel_call.ws_smem_budget(config, problem, out_dtype, has_bias=True).fits():
-      return config
-  raise AssertionError("unreachable: two stages of 64-column tiles always fit")
+  config = deepest_fitting(
+      dataclasses.replace(tiles, k_splits=splits), _NARROW_STAGES,
+      lambda c: kernel_call.ws_smem_budget(c, problem, out_dtype, has_bias=True).fits())
+  assert config is not None, "two stages of 64-column tiles always fit"
+  return config
 
 
 def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,

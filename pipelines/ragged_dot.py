@@ -60,15 +60,17 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
       config = dataclasses.replace(config, epi_tile_n=epi_tile_n, rhs_tile_n=None,
                                    tile_n=operands.round_up(config.tile_n, epi_tile_n))
   padded = operands.pad_k(problem, config.tile_k)
-  for steps in range(config.max_concurrent_steps, 1, -1):
-    candidate = dataclasses.replace(config, max_concurrent_steps=steps)
+
+  def fits(candidate: TuningConfig) -> bool:
     try:
       kernel_call.check_ws_config(candidate, padded, out_dtype, grouped=not ragged_k,
                                   ragged_k=ragged_k)
     except ValueError:
-      continue
-    return candidate
-  return config  # Its error names what does not fit.
+      return False
+    return True
+
+  deepest = heuristic.deepest_fitting(config, range(config.max_concurrent_steps, 1, -1), fits)
+  return config if deepest is None else deepest  # The config's error names what does not fit.
 
 
 def weight_gradient(lhs: jax.Array, g: jax.Array, group_sizes: jax.Array,
