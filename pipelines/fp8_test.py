@@ -78,6 +78,12 @@ def accumulation_bound(lhs, rhs, lhs_scales, rhs_scales, rhs_block=SQUARE_BLOCK)
   return ACTIVATION_SLOPE_BOUND * SUM_OF_MAGNITUDES_BOUND * np.asarray(magnitudes)
 
 
+def row_block_max(x: np.ndarray) -> np.ndarray:
+  """The largest element of each (1, 128) block of x (M, N): (M, ceil(N / 128))."""
+  m, n = x.shape
+  return np.pad(x, ((0, 0), (0, -n % 128)), constant_values=-np.inf).reshape(m, -1, 128).max(2)
+
+
 def assert_product_close(test, out, ref, out_dtype, accumulation: np.ndarray) -> None:
   """`out` (M, N) of `out_dtype` against the float32 `ref`: norm-wise as
   every kernel (with the FP8 accumulation's floor), and each element within
@@ -195,15 +201,24 @@ class Fp8MatmulTest(testing.KernelTestCase):
     self.assertEqual((values.shape, values.dtype), ((m, n), jnp.dtype(jnp.float8_e4m3fn)))
     self.assertEqual((scales.shape, scales.dtype),
                      (scales_shape((m, n), ROW_BLOCK), jnp.dtype(jnp.float32)))
-    # Each block's scale is its largest magnitude's: within the accumulation
-    # bound of that element (5.5e-4 to 6.7e-4 of it measured on the H200).
-    np.testing.assert_allclose(np.asarray(scales), np.asarray(quantize_fp8(ref, ROW_BLOCK)[1]),
-                               rtol=2e-3)
+    # Each block's scale is its largest magnitude over E4M3_MAX, and that
+    # magnitude is off by no more than the block's largest element bound. Not
+    # a fraction of the scale: where a block's elements cancel, their error is
+    # a large part of them (with RHS scales per row, the 8-column block of an
+    # N = 136 output is such a block, and a 2e-3 relative bound failed on the H200).
+    accumulation = accumulation_bound(lhs, rhs, lhs_scales, rhs_scales, rhs_block)
+    want_scales = np.asarray(quantize_fp8(ref, ROW_BLOCK)[1])
+    scale_error = np.abs(np.asarray(scales) - want_scales)
+    scale_bound = row_block_max(accumulation) / E4M3_MAX + 1e-6 * want_scales
+    self.assertTrue(np.all(scale_error <= scale_bound),
+                    f"scales: worst excess {np.nanmax(scale_error - scale_bound):.3g}")
     ref = np.asarray(ref)
     scale_of_each = np.asarray(dequantize_fp8(jnp.ones((m, n), jnp.float8_e4m3fn), scales))
+    # e4m3's rounding of the kernel's value, which is within `accumulation` of ref.
     bound = ((E4M3_RELATIVE_ROUNDING + 2e-3) * np.abs(ref)
+             + E4M3_RELATIVE_ROUNDING * accumulation
              + E4M3_SUBNORMAL_ROUNDING * scale_of_each
-             + accumulation_bound(lhs, rhs, lhs_scales, rhs_scales, rhs_block))
+             + accumulation)
     error = np.abs(np.asarray(dequantize_fp8(values, scales)) - ref)
     self.assertTrue(np.all(error <= bound), f"worst excess {np.nanmax(error - bound):.3g}")
     _, _, next_rhs, next_rhs_scales = quantized_operands(27, m, n, 64)
