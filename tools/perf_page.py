@@ -380,9 +380,13 @@ def table_section(table: Table, rows: list[Row]) -> list[str]:
     lines += [note, ""]
   lines.append(f"Records (written by `{schema.writer}`):")
   lines.append("")
+  # A record file may feed a table twice (under two filters): it is listed once.
+  listed = set()
   for source in table.sources:
-    lines.append(f"- [`perf/{source.json}`](perf/{source.json}): {source.measured}; "
-                 f"`{source.command}`")
+    if source.json not in listed:
+      listed.add(source.json)
+      lines.append(f"- [`perf/{source.json}`](perf/{source.json}): {source.measured}; "
+                   f"`{source.command}`")
   lines += ["", f"![{table.title}: ratio to the baseline]({table.plot})", ""]
   columns = (*schema.key_columns, f"{table.baseline_label} us", f"{table.labels[0]} us",
              *table.labels, *schema.extra_columns, "record")

@@ -208,6 +208,15 @@ class SchemaTest(absltest.TestCase):
     self.assertEqual(row.cells, ("moe@64", "64x128x256, 4", "balanced"))
     self.assertEqual(row.ratios["ours"].value, 0.5)
 
+  def test_a_record_file_under_two_filters_is_listed_once(self):
+    sources = [dict(json="records.json", date="2026-01-01", device="H200", command="x",
+                    where={"dtype": ["float16"]}),
+               dict(json="records.json", date="2026-01-01", device="H200", command="x",
+                    where={"dtype": ["bfloat16"]})]
+    _, rows, page = self.build("bench_matmul", sources=sources)
+    self.assertLen(rows["t"], 2)
+    self.assertEqual(page.count("- [`perf/records.json`]"), 1)
+
   def test_collective_table(self):
     _, rows, page = self.build("collective_table")
     (row,) = rows["t"]
