@@ -10,6 +10,7 @@ from core import testing
 from core.numerics import relative_error
 from pipelines import matmul_test_base as base
 from tools import bench_ragged_dot as bench
+from tools import model_shapes
 
 simulator.reserve_intra_op_threads()
 
@@ -44,12 +45,33 @@ class RoutingTest(parameterized.TestCase):
           self.assertRaisesRegex(SystemExit, f"--{flag}: unknown \\['{value}'\\]"):
         bench.main([])
 
-  def test_layers_cover_few_large_and_many_small_experts_and_decode(self):
-    groups = {layer.groups for layer in bench.LAYERS}
+  @parameterized.parameters(*bench.HALVES)
+  def test_each_half_covers_few_large_and_many_small_experts_and_decode(self, half):
+    layers = [layer for layer in bench.LAYERS if layer.half == half]
+    groups = {layer.groups for layer in layers}
     self.assertLessEqual(min(groups), 8)
     self.assertGreaterEqual(max(groups), 60)
-    self.assertTrue(any(layer.m <= 256 for layer in bench.LAYERS))
-    self.assertGreaterEqual(len(bench.LAYERS), 6)
+    self.assertTrue(any(layer.m <= 256 for layer in layers))
+    self.assertGreaterEqual(len(layers), 6)
+
+  def test_halves_share_no_family_and_agree_with_the_models_suite(self):
+    families = {half: {layer.family for layer in bench.LAYERS if layer.half == half}
+                for half in bench.HALVES}
+    self.assertEmpty(families["fit"] & families["check"])
+    for layer in bench.LAYERS:
+      if layer.family in model_shapes.FIT_FAMILIES + model_shapes.CHECK_FAMILIES:
+        self.assertEqual(layer.half, model_shapes.family_half(layer.family), layer.name)
+    with self.assertRaisesRegex(ValueError, "neither"):
+      bench.layer_half("Switch Transformer")
+
+  def test_half_picks_the_layers_and_layers_overrides_it(self):
+    check = bench.layers_to_time("check", None)
+    self.assertIn("grok-1@2048", check)
+    self.assertNotIn("mixtral-8x7b@8192", check)
+    self.assertEqual(bench.layers_to_time("all", None), [layer.name for layer in bench.LAYERS])
+    self.assertEqual(sorted(bench.layers_to_time("fit", None) + check),
+                     sorted(layer.name for layer in bench.LAYERS))
+    self.assertEqual(bench.layers_to_time("check", ["dbrx@4096"]), ["dbrx@4096"])
 
 
 class TimedProductsTest(testing.KernelTestCase):
