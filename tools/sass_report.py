@@ -1,0 +1,240 @@
+"""What ptxas makes of our kernels, on a machine without a GPU.
+
+    python tools/sass_report.py --op=fp8_matmul --shapes=1024x1024x1024 \\
+        --config=k_blocks_per_step=2,max_concurrent_steps=2
+
+Compiles an op for sm_90a through XLA's compile-only path for a GPU that is not
+there (`jax.experimental.topologies`, with an H100's target description), so that
+Mosaic GPU lowers each kernel and runs ptxas as it would on the GPU machine; then
+assembles the PTX again and disassembles it (`cuobjdump -sass`). Reports, per
+kernel: the registers, spill bytes, ptxas's warning that it serialized the wgmmas
+(C7514: an instruction reads an accumulator whose wgmmas may still run, so every
+wgmma is waited for), and how many of each SASS instruction the kernel has (the
+tensor-core ones: HGMMA for 16-bit operands, QGMMA for e4m3; their waits,
+WARPGROUP.DEPBAR; FFMA). That answers, without a GPU, whether a kernel change keeps
+its wgmmas in flight and its registers out of local memory; speed still needs a GPU.
+
+Needs Python 3.12 with jax[cuda13] and cuobjdump, in an environment of its own
+(about 4.5 GB of CUDA libraries), with this repository on PYTHONPATH:
+
+    python3.12 -m venv /tmp/sass-env
+    /tmp/sass-env/bin/pip install -r tools/sass_requirements.txt
+    PYTHONPATH=. /tmp/sass-env/bin/python tools/sass_report.py --op=matmul --shapes=8192x4096x14336
+
+Writes `sass_report.json` and each kernel's PTX, ptxas log and SASS to `--out_dir`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+# An H100 SXM as XLA describes a GPU it compiles for without one (XLA's
+# gpu_specs/h100_sxm.txtpb). sm_90a code is the same for an H200; only
+# memory sizes and bandwidth differ.
+H100_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84978434048
+  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+# ptxas's note that it waits for every wgmma of the kernel.
+SERIALIZED_WGMMA = "C7514"
+OPS = ("matmul", "ragged_dot", "fp8_matmul")
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxasInfo:
+  """What `ptxas -v` said about one kernel."""
+
+  registers: int
+  spill_store_bytes: int
+  spill_load_bytes: int
+  serialized_wgmma: bool
+  warnings: tuple[str, ...]
+
+
+def parse_ptxas(log: str) -> PtxasInfo:
+  """The registers, spills and warnings of a `ptxas -v` log of one kernel."""
+  registers = re.search(r"Used (\d+) registers", log)
+  spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+  if registers is None or spills is None:
+    raise ValueError(f"not a ptxas -v log of a kernel:\n{log}")
+  warnings = tuple(line.strip() for line in log.splitlines()
+                   if "Performance Loss" in line or "ptxas warning" in line)
+  return PtxasInfo(registers=int(registers[1]), spill_store_bytes=int(spills[1]),
+                   spill_load_bytes=int(spills[2]), serialized_wgmma=SERIALIZED_WGMMA in log,
+                   warnings=warnings)
+
+
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_opcodes(sass: str) -> collections.Counter:
+  """How many of each instruction (the opcode without its modifiers: QGMMA,
+  WARPGROUP, FFMA) a `cuobjdump -sass` listing has."""
+  counts = collections.Counter()
+  for line in sass.splitlines():
+    match = _SASS_INSTRUCTION.match(line)
+    if match:
+      counts[match[1]] += 1
+  return counts
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+  m, k, n = (int(x) for x in text.lower().split("x"))
+  return m, k, n
+
+
+def parse_config(text: str) -> dict:
+  """`key=value,...` as keyword arguments: ints where they parse, else strings."""
+  out = {}
+  for item in filter(None, text.split(",")):
+    key, _, value = item.partition("=")
+    out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+  return out
+
+
+def _compile_op(op: str, shape: tuple[int, int, int], *, groups: int, config: dict,
+                transpose_lhs: bool, transpose_rhs: bool) -> None:
+  """Traces and compiles `op` at `shape` (bf16; e4m3 for fp8_matmul) for the
+  compile-only H100 device: Mosaic GPU runs ptxas on each of its kernels."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import topologies
+  from jax.sharding import SingleDeviceSharding
+
+  import pipelines
+  from pipelines import Fp8Config
+
+  topology = topologies.get_topology_desc("sass_report", "cuda", target_config=H100_TARGET,
+                                          topology="1x1x1")
+  sharding = SingleDeviceSharding(topology.devices[0])
+
+  def spec(dims, dtype):
+    return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
+
+  m, k, n = shape
+  bf16 = jnp.bfloat16
+  if op == "matmul":
+    tuning = _tuning_config(config)
+
+    def fn(lhs, rhs):
+      return pipelines.matmul(lhs, rhs, transpose_lhs=transpose_lhs,
+                              transpose_rhs=transpose_rhs, config=tuning)
+    args = (spec((k, m) if transpose_lhs else (m, k), bf16),
+            spec((n, k) if transpose_rhs else (k, n), bf16))
+  elif op == "ragged_dot":
+    tuning = _tuning_config(config)
+
+    def fn(lhs, rhs, group_sizes):
+      return pipelines.ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                                  config=tuning)
+    args = (spec((m, k), bf16), spec((groups, n, k) if transpose_rhs else (groups, k, n), bf16),
+            spec((groups,), jnp.int32))
+  else:
+    fp8_config = Fp8Config(**config)
+    blocks = -(-k // 128)
+
+    def fn(lhs, rhs, lhs_scales, rhs_scales):
+      return pipelines.fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, config=fp8_config)
+    args = (spec((m, k), jnp.float8_e4m3fn), spec((n, k), jnp.float8_e4m3fn),
+            spec((m, blocks), jnp.float32), spec((-(-n // 128), blocks), jnp.float32))
+  jax.jit(fn).lower(*args).compile()
+
+
+def _tuning_config(config: dict):
+  """A `TuningConfig` of `parse_config`'s keywords, its enums by name
+  (schedule=pingpong, grid_minor_dim=n); None (the heuristic's) for none."""
+  from pipelines.config import MatmulDimension, Schedule, TuningConfig
+  if not config:
+    return None
+  enums = dict(schedule=Schedule, grid_minor_dim=MatmulDimension, wg_dimension=MatmulDimension)
+  return TuningConfig(**{key: enums[key][value.upper()] if key in enums else value
+                         for key, value in config.items()})
+
+
+def _cuda_tool(name: str) -> str:
+  """The path of `name` (ptxas, cuobjdump) in the nvidia wheels of this Python."""
+  import nvidia
+  for root in nvidia.__path__:
+    for path in Path(root).glob(f"*/bin/{name}"):
+      return str(path)
+  raise FileNotFoundError(f"{name} is not in the nvidia wheels of {sys.executable}: "
+                          "install tools/sass_requirements.txt")
+
+
+def kernel_reports(dump_dir: Path) -> list[dict]:
+  """Each kernel Mosaic GPU dumped into `dump_dir`: the report of its own ptxas
+  run (`<kernel>.ptxas`) and the SASS instruction counts of its PTX, assembled
+  again for sm_90a and disassembled."""
+  reports = []
+  for ptx in sorted(dump_dir.glob("*.ptx")):
+    cubin = ptx.with_suffix(".cubin")
+    subprocess.run([_cuda_tool("ptxas"), "-arch=sm_90a", "-o", str(cubin), str(ptx)],
+                   check=True, capture_output=True)
+    sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+    ptx.with_suffix(".sass").write_text(sass)
+    info = parse_ptxas(ptx.with_suffix(".ptxas").read_text())
+    opcodes = sass_opcodes(sass)
+    reports.append(dict(kernel=ptx.stem, **dataclasses.asdict(info),
+                        instructions=dict(opcodes.most_common())))
+  return reports
+
+
+def main(argv: list[str]) -> int:
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--op", choices=OPS, required=True)
+  parser.add_argument("--shapes", required=True, help="MxKxN,...")
+  parser.add_argument("--groups", type=int, default=8, help="ragged_dot's G.")
+  parser.add_argument("--config", default="",
+                      help="key=value,... of TuningConfig (matmul, ragged_dot; default: "
+                           "the heuristic's) or Fp8Config (fp8_matmul)")
+  parser.add_argument("--transpose_lhs", action="store_true")
+  parser.add_argument("--transpose_rhs", action="store_true")
+  parser.add_argument("--out_dir", default="sass_report")
+  args = parser.parse_args(argv)
+
+  out_dir = Path(args.out_dir).resolve()
+  # Before jax starts: no GPU to check the CUDA libraries against, kernels
+  # compiled for the GPU (not interpreted), and every kernel's PTX and ptxas
+  # log written to the folder `MOSAIC_GPU_DUMP_TO` names.
+  os.environ.update(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", MGPU_INTERPRET="0",
+                    MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
+  results = []
+  for text in args.shapes.split(","):
+    shape = parse_shape(text)
+    dump_dir = out_dir / f"{args.op}_{text}"
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump_dir)
+    _compile_op(args.op, shape, groups=args.groups, config=parse_config(args.config),
+                transpose_lhs=args.transpose_lhs, transpose_rhs=args.transpose_rhs)
+    for report in kernel_reports(dump_dir):
+      results.append(dict(op=args.op, shape=text, **report))
+      counts = report["instructions"]
+      print(f"{args.op} {text} {report['kernel']}: {report['registers']} registers, "
+            f"spills {report['spill_store_bytes']}/{report['spill_load_bytes']} bytes, "
+            f"wgmmas {'SERIALIZED' if report['serialized_wgmma'] else 'in flight'}; "
+            + ", ".join(f"{op} {counts.get(op, 0)}" for op in
+                        ("HGMMA", "QGMMA", "WARPGROUP", "FFMA", "STL", "LDL")))
+  (out_dir / "sass_report.json").write_text(json.dumps(results, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

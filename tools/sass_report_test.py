@@ -1,0 +1,67 @@
+"""sass_report's reading of ptxas logs and SASS listings (no GPU, no CUDA plugin)."""
+
+from absl.testing import absltest
+
+from tools import sass_report
+
+# From Mosaic GPU's ptxas log of a kernel whose wgmmas ptxas serialized.
+SERIALIZED_LOG = """\
+ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are \
+serialized due to non wgmma instructions reading accumulator registers of  a wgmma \
+between start and end of the pipeline stage in the function 'k_mosaic_gpu_kernel' in line 0
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'k_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for k_mosaic_gpu_kernel
+    184 bytes stack frame, 316 bytes spill stores, 312 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 184 bytes cumulative stack size
+"""
+CLEAN_LOG = """\
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 750 by compiler to \
+allow use of registers in GMMA in function 'k_mosaic_gpu_kernel'
+ptxas info    : Function properties for k_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+"""
+# Lines of `cuobjdump -sass` output: predicated, with modifiers, and their encodings.
+SASS = """\
+        /*2d60*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR16], RZ, !UPT ;
+                                                                  /* 0x000fe2000c7008ff */
+        /*2e90*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*2ea0*/                   LDS R138, [R139] ;
+        /*2f10*/                   FFMA R6, R25, R138.reuse, R6 ;
+        /*2f20*/                   FFMA R133, R24, R138, R133 ;
+        /*3140*/              @!P1 BRA 0x31b0 ;
+        /*3170*/              @UP0 UIADD3 UR6, UR5, -0x5, URZ ;
+"""
+
+
+class SassReportTest(absltest.TestCase):
+
+  def test_serialized_wgmmas_and_spills(self):
+    info = sass_report.parse_ptxas(SERIALIZED_LOG)
+    self.assertEqual((info.registers, info.spill_store_bytes, info.spill_load_bytes,
+                      info.serialized_wgmma), (168, 316, 312, True))
+    self.assertLen(info.warnings, 1)
+
+  def test_a_clean_kernel(self):
+    info = sass_report.parse_ptxas(CLEAN_LOG)
+    self.assertEqual((info.registers, info.spill_store_bytes, info.serialized_wgmma, info.warnings),
+                     (168, 0, False, ()))
+
+  def test_rejects_what_is_not_a_kernels_log(self):
+    with self.assertRaisesRegex(ValueError, "not a ptxas -v log"):
+      sass_report.parse_ptxas("ptxas fatal   : Unresolved extern function")
+
+  def test_counts_opcodes_without_modifiers_or_predicates(self):
+    self.assertEqual(dict(sass_report.sass_opcodes(SASS)),
+                     {"QGMMA": 1, "WARPGROUP": 1, "LDS": 1, "FFMA": 2, "BRA": 1, "UIADD3": 1})
+
+  def test_arguments(self):
+    self.assertEqual(sass_report.parse_shape("8192x4096X14336"), (8192, 4096, 14336))
+    self.assertEqual(sass_report.parse_config("k_blocks_per_step=2, schedule=pingpong"),
+                     {"k_blocks_per_step": 2, "schedule": "pingpong"})
+    self.assertEqual(sass_report.parse_config(""), {})
+
+
+if __name__ == "__main__":
+  absltest.main()
