@@ -133,6 +133,13 @@ class Fp8Config:
       8192x4096x14336, 8192^3 and 4096^3 and 0.985x at 8192x14336x4096
       (docs/performance-log.md, "The block-scaled FP8 kernel on a persistent
       grid").
+    k_blocks_per_step: scale blocks a pipeline step of the persistent kernel
+      loads and multiplies: 1, or 2, where each compute warpgroup issues both
+      blocks' wgmmas into two accumulators and adds the first block's scaled
+      product while the second's runs (`_add_two_scaled_block_products`). A
+      K of an odd number of blocks takes steps of one. With 2, each slot
+      holds two blocks, so `max_concurrent_steps` = 2 takes the SMEM of 4
+      one-block slots.
   """
 
   TILE_M: ClassVar[int] = WGMMA_M
@@ -142,6 +149,7 @@ class Fp8Config:
   max_concurrent_steps: int = 4
   compute_wgs: int = NUM_COMPUTE_WGS
   persistent: bool | None = None
+  k_blocks_per_step: int = 1
 
   def __post_init__(self):
     self.pipeline  # Validates the depth.  # noqa: B018
@@ -150,6 +158,11 @@ class Fp8Config:
     if self.persistent and self.compute_wgs != NUM_COMPUTE_WGS:
       raise ValueError(f"persistent=True needs compute_wgs={NUM_COMPUTE_WGS} (a memory "
                        f"warpgroup), got compute_wgs={self.compute_wgs}")
+    if self.k_blocks_per_step not in (1, 2):
+      raise ValueError(f"k_blocks_per_step={self.k_blocks_per_step!r} must be 1 or 2")
+    if self.k_blocks_per_step > 1 and not self.runs_persistent:
+      raise ValueError(f"k_blocks_per_step={self.k_blocks_per_step} needs the persistent "
+                       f"kernel, got {self!r}")
 
   @property
   def runs_persistent(self) -> bool:
@@ -173,6 +186,11 @@ class Fp8Config:
   def pipeline(self) -> PipelineOptions:
     return PipelineOptions(max_concurrent_steps=self.max_concurrent_steps)
 
+  def blocks_per_step(self, k_blocks: int) -> int:
+    """The scale blocks a pipeline step takes on a K of `k_blocks` blocks:
+    `k_blocks_per_step` where it divides them, else 1."""
+    return self.k_blocks_per_step if k_blocks % self.k_blocks_per_step == 0 else 1
+
   def smem_budget(self, k_steps: int, out_dtype, *, has_bias: bool,
                   rhs_row_scales: bool = False) -> SmemBudget:
     """The SMEM of a problem of `k_steps` K steps: the operand and LHS-scale
@@ -180,7 +198,8 @@ class Fp8Config:
     through the K loop, then the output's staging tile. With
     `rhs_row_scales` the RHS's scales are one per row, in slots beside the
     LHS's."""
-    steps = self.pipeline.steps_for(k_steps)
+    blocks = self.blocks_per_step(k_steps)
+    steps = self.pipeline.steps_for(k_steps // blocks)
     cta_m = self.cta_tile_m
     tile_constants = []
     if not rhs_row_scales:
@@ -189,15 +208,15 @@ class Fp8Config:
     if has_bias:
       tile_constants.append(SmemBuffer(name="bias_smem", shape=(self.TILE_N,),
                                        dtype=jnp.float32))
-    slots = (SmemBuffer(name="lhs_smem", shape=(cta_m, self.TILE_K), dtype=FP8_DTYPE,
+    width = blocks * self.TILE_K
+    slots = (SmemBuffer(name="lhs_smem", shape=(cta_m, width), dtype=FP8_DTYPE, copies=steps),
+             SmemBuffer(name="rhs_smem", shape=(self.TILE_N, width), dtype=FP8_DTYPE,
                         copies=steps),
-             SmemBuffer(name="rhs_smem", shape=(self.TILE_N, self.TILE_K), dtype=FP8_DTYPE,
-                        copies=steps),
-             SmemBuffer(name="lhs_scales_smem", shape=(1, cta_m), dtype=jnp.float32,
+             SmemBuffer(name="lhs_scales_smem", shape=(blocks, cta_m), dtype=jnp.float32,
                         copies=steps))
     if rhs_row_scales:
-      slots += (SmemBuffer(name="rhs_scales_smem", shape=(1, self.TILE_N), dtype=jnp.float32,
-                           copies=steps),)
+      slots += (SmemBuffer(name="rhs_scales_smem", shape=(blocks, self.TILE_N),
+                           dtype=jnp.float32, copies=steps),)
     constants_barriers = 1 if tile_constants else 0
     out_smem = [SmemBuffer(name="out_smem", shape=(cta_m, self.TILE_N), dtype=out_dtype)]
     if jnp.dtype(out_dtype) == FP8_DTYPE:  # And its scales, one per row.

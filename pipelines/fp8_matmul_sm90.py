@@ -185,7 +185,9 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
   wg_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
   cta_m = NUM_COMPUTE_WGS * wg_m
   m, k = lhs_gmem.shape
-  k_steps = k // tile_k
+  k_blocks = k // tile_k
+  blocks = config.blocks_per_step(k_blocks)
+  k_steps = k_blocks // blocks
   n_tiles = rhs_gmem.shape[0] // tile_n
   wg = lax.axis_index(WG_AXIS)
   wg_rows = pl.ds(wg * wg_m, wg_m)
@@ -193,17 +195,17 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
   def pipeline(step, compute_context):
     return _warp_specialized_pipeline(step, compute_context, rows=cta_m, k_steps=k_steps,
                                       config=config, dtype=lhs_gmem.dtype,
-                                      rhs_row_scales=rhs_row_scales)
+                                      rhs_row_scales=rhs_row_scales, blocks=blocks)
 
   def ignore(*_, **__):
     return None
 
-  column_scales = ((jax.ShapeDtypeStruct((k_steps, tile_n), jnp.float32),) if rhs_row_scales
+  column_scales = ((jax.ShapeDtypeStruct((k_blocks, tile_n), jnp.float32),) if rhs_row_scales
                    else ())
   pipeline_allocs = pipeline(ignore, ignore).get_allocations(
       jax.ShapeDtypeStruct((cta_m, k), lhs_gmem.dtype),
       jax.ShapeDtypeStruct((tile_n, k), rhs_gmem.dtype),
-      jax.ShapeDtypeStruct((k_steps, cta_m), jnp.float32), *column_scales)
+      jax.ShapeDtypeStruct((k_blocks, cta_m), jnp.float32), *column_scales)
 
   def scoped(pipeline_allocs, out_smem, rhs_scales_smem=None, constants_loaded=None,
              bias_smem=None, out_scales_smem=None):
@@ -213,10 +215,14 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
 
       def step(indices, lhs_smem, rhs_smem, lhs_scales_smem, *rest):
         *column_scales_smem, running_sum = rest
-        return _add_scaled_block_product(
-            running_sum, lhs_smem.at[wg_rows], rhs_smem, lhs_scales_smem.at[0, wg_rows],
-            **_rhs_scales_of_step(indices, None if rhs_scales_smem is None else
-                                  rhs_scales_smem.at[wg], column_scales_smem))
+        block_scales = None if rhs_scales_smem is None else rhs_scales_smem.at[wg]
+        if blocks == 1:
+          return _add_scaled_block_product(
+              running_sum, lhs_smem.at[wg_rows], rhs_smem, lhs_scales_smem.at[0, wg_rows],
+              **_rhs_scales_of_step(indices, block_scales, column_scales_smem))
+        return _add_two_scaled_block_products(
+            running_sum, indices, lhs_smem.at[wg_rows], rhs_smem, lhs_scales_smem.at[:, wg_rows],
+            block_scales, column_scales_smem)
 
       def compute_context(run_pipeline):
         if constants_loaded is not None:
@@ -249,14 +255,15 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
 
 
 def _warp_specialized_pipeline(step, compute_context, *, rows: int, k_steps: int,
-                               config: Fp8Config, dtype, rhs_row_scales: bool):
-  """The memory warpgroup's pipeline of a (rows, TILE_N) tile's K steps
-  (`_operand_specs`), feeding `step` in `NUM_COMPUTE_WGS` compute warpgroups."""
+                               config: Fp8Config, dtype, rhs_row_scales: bool, blocks: int = 1):
+  """The memory warpgroup's pipeline of a (rows, TILE_N) tile's K steps of
+  `blocks` scale blocks each (`_operand_specs`), feeding `step` in
+  `NUM_COMPUTE_WGS` compute warpgroups."""
   return plgpu.emit_pipeline_warp_specialized(
       step,
       grid=(k_steps,),
       memory_registers=MEMORY_WG_REGISTERS,
-      in_specs=_operand_specs(rows, config, dtype, rhs_row_scales),
+      in_specs=_operand_specs(rows, config, dtype, rhs_row_scales, blocks),
       wg_axis=WG_AXIS,
       num_compute_wgs=NUM_COMPUTE_WGS,
       max_concurrent_steps=config.pipeline.steps_for(k_steps),
@@ -269,16 +276,18 @@ def _zeros(shape: tuple[int, int]) -> jax.Array:
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _rhs_scales_of_step(indices, block_scales_smem, column_scales_smem) -> dict:
-  """A step's RHS scales, as `_add_scaled_block_product`'s keywords: its
-  block's scale (a scalar from the tile's `block_scales_smem` row), or the
-  (TILE_N,) SMEM row of its columns' scales (the pipeline's slot,
+def _rhs_scales_of_step(indices, block_scales_smem, column_scales_smem, *, block: int = 0,
+                        blocks: int = 1) -> dict:
+  """The RHS scales of block `block` of a step of `blocks` scale blocks, as
+  `_add_scaled_block_product`'s keywords: its block's scale (a scalar from
+  the tile's `block_scales_smem` row), or the (TILE_N,) SMEM row of its
+  columns' scales (in the pipeline's (blocks, TILE_N) slot,
   `column_scales_smem` = [it], empty without `rhs_row_scales`)."""
   if column_scales_smem:
     (column_scales,) = column_scales_smem
-    return dict(column_scales_smem=column_scales.at[0])
+    return dict(column_scales_smem=column_scales.at[block])
   (k,) = indices
-  return dict(rhs_scale=block_scales_smem[k])
+  return dict(rhs_scale=block_scales_smem[blocks * k + block])
 
 
 def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_smem, *,
@@ -303,20 +312,80 @@ def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_sme
     return acc_ref[...]
 
   product = pl.run_scoped(block_product, accumulator(running_sum.shape))
-  # One value per accumulator row: a plain load does (the optimized vector
-  # loads are for the layouts of whole tiles).
-  row_scales = plgpu.load(row_scales_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-  if column_scales_smem is None:
-    scales = lax.broadcast_in_dim(row_scales * rhs_scale, product.shape, (0,))
-  else:
-    # Per column as well: one more multiply an element.
-    column_scales = plgpu.load(column_scales_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-    scales = (lax.broadcast_in_dim(row_scales, product.shape, (0,))
-              * lax.broadcast_in_dim(column_scales, product.shape, (1,)))
+  scales = _block_scale_factors(row_scales_smem, product.shape, rhs_scale=rhs_scale,
+                                column_scales_smem=column_scales_smem)
   # The pipeline refills the step's slots by TMA after the step: order these
   # register loads of the scales before that write to them.
   plgpu.commit_smem()
   return running_sum + product * scales
+
+
+def _add_two_scaled_block_products(running_sum, indices, lhs_operand, rhs_smem,
+                                   row_scales_smem, block_scales_smem,
+                                   column_scales_smem) -> jax.Array:
+  """`_add_scaled_block_product` of a K step of two scale blocks: both
+  blocks' wgmmas go out at once, each into its own accumulator, and the
+  first block's product is scaled and added while the second's runs, so the
+  tensor cores idle only while the second is added.
+
+  Args:
+    running_sum: (rows, TILE_N) float32, WGMMA layout.
+    indices: the pipeline step's (k,): blocks 2k and 2k + 1.
+    lhs_operand: (rows, 2 TILE_K) e4m3 SMEM tile of the step.
+    rhs_smem: (TILE_N, 2 TILE_K) e4m3 SMEM tile of the step (K-major).
+    row_scales_smem: (2, rows) float32 SMEM, the LHS rows' scales of each block.
+    block_scales_smem: the tile's row of RHS block scales, or None with
+    column_scales_smem: [(2, TILE_N) float32 SMEM], the RHS rows' scales of
+      each block (empty without RHS row scales).
+  """
+  tile_k = Fp8Config.TILE_K
+
+  def factors(block):
+    return _block_scale_factors(
+        row_scales_smem.at[block], running_sum.shape,
+        **_rhs_scales_of_step(indices, block_scales_smem, column_scales_smem, block=block,
+                              blocks=2))
+
+  def products(acc_first, acc_second):
+    for block, acc in enumerate((acc_first, acc_second)):
+      k_slice = pl.ds(block * tile_k, tile_k)
+      plgpu.wgmma(acc, lhs_operand.at[:, k_slice], rhs_smem.at[:, k_slice].T)
+    # The scales are read while the wgmmas run. A block scale makes one
+    # factor a row, but per-column scales make 64 registers a thread, which
+    # beside the running sum and two accumulators spill: those of the second
+    # block are read once the first block's are used.
+    first_factors = factors(0)
+    second_factors = None if column_scales_smem else factors(1)
+    # The pipeline refills the step's slots by TMA after the step: order the
+    # register loads of the scales before that write to them.
+    if second_factors is not None:
+      plgpu.commit_smem()
+    # The first block's wgmmas are done, the second's may run on.
+    partial = running_sum + plgpu.wgmma_accumulator_load(acc_first, wait_n=1) * first_factors
+    if second_factors is None:
+      second_factors = factors(1)
+      plgpu.commit_smem()
+    return partial + plgpu.wgmma_accumulator_load(acc_second, wait_n=0) * second_factors
+
+  return pl.run_scoped(products, accumulator(running_sum.shape),
+                       accumulator(running_sum.shape))
+
+
+def _block_scale_factors(row_scales_smem, shape, *, rhs_scale=None,
+                         column_scales_smem=None) -> jax.Array:
+  """A scale block's (rows, TILE_N) float32 factors, in the WGMMA layout: its
+  LHS rows' scales (`row_scales_smem`, (rows,) SMEM) times the RHS block's
+  `rhs_scale`, or times its RHS rows' (the output columns') scales
+  (`column_scales_smem`, (TILE_N,) SMEM)."""
+  # One value per accumulator row: a plain load does (the optimized vector
+  # loads are for the layouts of whole tiles).
+  row_scales = plgpu.load(row_scales_smem, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+  if column_scales_smem is None:
+    return lax.broadcast_in_dim(row_scales * rhs_scale, shape, (0,))
+  # Per column as well: one more multiply an element.
+  column_scales = plgpu.load(column_scales_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+  return (lax.broadcast_in_dim(row_scales, shape, (0,))
+          * lax.broadcast_in_dim(column_scales, shape, (1,)))
 
 
 def _finish(total, bias_smem, epilogue: Epilogue) -> jax.Array:
@@ -336,17 +405,19 @@ def _outputs(rest, epilogue: Epilogue):
   return bias_gmem, out_gmem, (out_scales[0] if out_scales else None)
 
 
-def _operand_specs(rows: int, config: Fp8Config, dtype, rhs_row_scales: bool) -> list:
-  """The pipeline's inputs per K step: `rows` of the LHS and the tile's
-  columns of the RHS, K-major and swizzled for wgmma, the LHS rows' scales
-  of the step and, with `rhs_row_scales`, the RHS rows' (`_operand_tiles`)."""
+def _operand_specs(rows: int, config: Fp8Config, dtype, rhs_row_scales: bool,
+                   blocks: int = 1) -> list:
+  """The pipeline's inputs per K step of `blocks` scale blocks: `rows` of
+  the LHS and the tile's columns of the RHS, K-major and swizzled for wgmma,
+  the LHS rows' scales of the step's blocks and, with `rhs_row_scales`, the
+  RHS rows' (`_operand_tiles`)."""
   transforms = tile_transforms(config.TILE_K, dtype)
-  specs = [plgpu.BlockSpec((rows, config.TILE_K), lambda k: (0, k), transforms=transforms),
-           plgpu.BlockSpec((config.TILE_N, config.TILE_K), lambda k: (0, k),
-                           transforms=transforms),
-           plgpu.BlockSpec((1, rows), lambda k: (k, 0))]
+  width = blocks * config.TILE_K
+  specs = [plgpu.BlockSpec((rows, width), lambda k: (0, k), transforms=transforms),
+           plgpu.BlockSpec((config.TILE_N, width), lambda k: (0, k), transforms=transforms),
+           plgpu.BlockSpec((blocks, rows), lambda k: (k, 0))]
   if rhs_row_scales:
-    specs.append(plgpu.BlockSpec((1, config.TILE_N), lambda k: (k, 0)))
+    specs.append(plgpu.BlockSpec((blocks, config.TILE_N), lambda k: (k, 0)))
   return specs
 
 

@@ -186,16 +186,17 @@ class Fp8MatmulTest(testing.KernelTestCase):
   def test_output_quantized_in_the_epilogue(self, m, k, n):
     self.check_quantized_output(m, k, n)
 
-  def check_quantized_output(self, m, k, n, rhs_block=SQUARE_BLOCK):
+  def check_quantized_output(self, m, k, n, rhs_block=SQUARE_BLOCK, config=None):
     """out_dtype=float8_e4m3fn: the output in (1, 128) blocks, its scales
     those `quantize_fp8` gives the float32 result (up to float32 summation),
     each element within e4m3's rounding of the reference; and it feeds the
     next `fp8_matmul` as its LHS."""
     lhs, lhs_scales, rhs, rhs_scales = quantized_operands(25, m, k, n, rhs_block)
     bias = testing.random_array(26, (n,), jnp.float32)
+    config = self.config if config is None else config
     values, scales = self.run_kernel(fp8_matmul, lhs, rhs, lhs_scales, rhs_scales, bias,
                                      activation="gelu", out_dtype=jnp.float8_e4m3fn,
-                                     config=self.config)
+                                     config=config)
     ref = fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias,
                                epilogue=Epilogue(activation="gelu", has_bias=True))
     self.assertEqual((values.shape, values.dtype), ((m, n), jnp.dtype(jnp.float8_e4m3fn)))
@@ -223,7 +224,7 @@ class Fp8MatmulTest(testing.KernelTestCase):
     self.assertTrue(np.all(error <= bound), f"worst excess {np.nanmax(error - bound):.3g}")
     _, _, next_rhs, next_rhs_scales = quantized_operands(27, m, n, 64)
     out = self.run_kernel(fp8_matmul, values, next_rhs, scales, next_rhs_scales,
-                          config=self.config)
+                          config=config)
     self.assertEqual(out.shape, (m, 64))
 
   @parameterized.parameters(((128, 256, 256), False, jnp.bfloat16),
@@ -354,6 +355,34 @@ class Fp8MatmulPersistentTest(Fp8MatmulWarpSpecializedTest):
 
   def test_blocks_walk_several_tiles_quantizing_the_output(self):
     self.check_quantized_output(*self.SEVERAL_TILES)
+
+  TWO_BLOCK_STEPS = Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)
+
+  @parameterized.parameters(
+      # 10 blocks in 5 steps of 2 on 2 slots: the slots wrap twice.
+      ((128, 1280, 256), SQUARE_BLOCK, False),
+      ((100, 1280, 136), ROW_BLOCK, True),
+      # Several tiles on 2 blocks, each K loop of 2 steps.
+      ((384, 512, 384), SQUARE_BLOCK, True),
+      ((384, 512, 384), ROW_BLOCK, False),
+      # 3 blocks: steps of one block.
+      ((128, 384, 128), SQUARE_BLOCK, True))
+  def test_steps_of_two_blocks(self, shape, rhs_block, has_bias):
+    """`k_blocks_per_step=2`: each step's two blocks in two accumulators,
+    the first added while the second's wgmmas run."""
+    self.check(*shape, seed=61, out_dtype=jnp.float32, rhs_block=rhs_block,
+               config=self.TWO_BLOCK_STEPS,
+               epilogue=Epilogue(activation="silu", has_bias=has_bias))
+
+  def test_steps_of_two_blocks_quantizing_the_output(self):
+    self.check_quantized_output(*self.SEVERAL_TILES, config=self.TWO_BLOCK_STEPS)
+
+  def test_steps_of_two_blocks_need_the_persistent_kernel(self):
+    for config in (dict(compute_wgs=1), dict(persistent=False)):
+      with self.assertRaisesRegex(ValueError, "k_blocks_per_step=2 needs the persistent kernel"):
+        Fp8Config(k_blocks_per_step=2, **config)
+    with self.assertRaisesRegex(ValueError, "k_blocks_per_step=3 must be 1 or 2"):
+      Fp8Config(k_blocks_per_step=3)
 
   def test_needs_a_memory_warpgroup(self):
     with self.assertRaisesRegex(ValueError, "persistent=True needs compute_wgs=2"):

@@ -102,8 +102,9 @@ class SmemModelTest(parameterized.TestCase):
                                  Fp8Config(compute_wgs=1),
                                  Fp8Config(compute_wgs=1, max_concurrent_steps=2),
                                  Fp8Config(persistent=False),
-                                 Fp8Config(persistent=False, max_concurrent_steps=3)],
-                         has_bias=[False, True], k=[4096, 256],
+                                 Fp8Config(persistent=False, max_concurrent_steps=3),
+                                 Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)],
+                         has_bias=[False, True], k=[4096, 256, 384],
                          out_dtype=[jnp.bfloat16, jnp.float8_e4m3fn])
   def test_fp8(self, config, has_bias, k, out_dtype):
     args = [S((1024, k), jnp.float8_e4m3fn), S((1024, k), jnp.float8_e4m3fn),
@@ -114,7 +115,8 @@ class SmemModelTest(parameterized.TestCase):
                      config.smem_budget(k // 128, out_dtype, has_bias=has_bias).total_bytes)
 
   @parameterized.product(config=[Fp8Config(), Fp8Config(compute_wgs=1),
-                                 Fp8Config(persistent=False)],
+                                 Fp8Config(persistent=False),
+                                 Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)],
                          has_bias=[False, True])
   def test_fp8_rhs_scaled_per_row(self, config, has_bias):
     k = 4096

@@ -14,8 +14,10 @@ turns for `--rounds` rounds in the same process:
                           is the `fp8_linear` rows' business), on the
                           default (warp-specialized, persistent) kernel, (",
                           one block per tile") on its parallel grid
-                          (`Fp8Config.persistent`) and (", 1 warpgroup") on
+                          (`Fp8Config.persistent`), (", 1 warpgroup") on
                           the one-warpgroup one (`Fp8Config.compute_wgs`)
+                          and (", two blocks a step") in pipeline steps of
+                          two scale blocks (`Fp8Config.k_blocks_per_step`)
   ours: fp8 per-tensor    `fp8_matmul` with one scale per operand (the
                           persistent kernel of `matmul`, scaled in its
                           epilogue)
@@ -25,7 +27,8 @@ turns for `--rounds` rounds in the same process:
   xla: dequantize + bf16  the block-scaled operands dequantized to bf16 and
                           multiplied by `jnp.dot`: what JAX users do today
 and, with `--train`, a layer's forward + backward from a bf16 cotangent:
-`fp8_linear` against `pipelines.matmul` and XLA's autodiff of `jnp.dot`.
+`fp8_linear` (by default, and in steps of two scale blocks) against
+`pipelines.matmul` and XLA's autodiff of `jnp.dot`.
 With `--quantized_output`, a bf16 product whose output is quantized for the
 next FP8 matmul, in (1, 128) blocks, against XLA's `jnp.dot` then
 `quantize_fp8` (the baseline of these rows):
@@ -63,6 +66,8 @@ from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK
 from tools import cli, model_shapes, report
 
 BASELINE = "jnp.dot"
+# `Fp8Config.k_blocks_per_step` = 2, in slots of the SMEM of the default's.
+TWO_BLOCK_STEPS = Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)
 TRAIN_BASELINE = "train: jnp.dot (XLA autodiff)"
 QUANTIZED_BASELINE = "quantized output: jnp.dot, then quantize_fp8"
 
@@ -127,6 +132,8 @@ def forward_implementations(x, w) -> tuple[dict, dict]:
           o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config(persistent=False)),
       "ours: fp8 block-scaled, 1 warpgroup": lambda o: fp8_matmul(
           o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config(compute_wgs=1)),
+      "ours: fp8 block-scaled, two blocks a step": lambda o: fp8_matmul(
+          o["xq"], o["wq"], o["xs"], o["ws"], config=TWO_BLOCK_STEPS),
       "ours: fp8 per-tensor": lambda o: fp8_matmul(o["xt"], o["wt"], o["x_scale"],
                                                    o["w_scale"]),
       "xla: fp8 per-tensor": xla_per_tensor,
@@ -147,7 +154,9 @@ def train_implementations() -> dict:
     return run
 
   return {TRAIN_BASELINE: step(jnp.dot), "train: ours bf16": step(matmul),
-          "train: ours fp8_linear": step(fp8_linear)}
+          "train: ours fp8_linear": step(fp8_linear),
+          "train: ours fp8_linear, two blocks a step": step(
+              functools.partial(fp8_linear, config=TWO_BLOCK_STEPS))}
 
 
 def quantized_output_implementations() -> dict:

@@ -41,7 +41,7 @@ class ImplementationsTest(testing.KernelTestCase):
             testing.random_array(2, (256, 128), jnp.bfloat16))
     exact = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
     impls, operands = bench.forward_implementations(x, w)
-    self.assertLen(impls, 8)
+    self.assertLen(impls, 9)
     for name, fn in impls.items():
       out = self.run_kernel(jax.jit(fn), operands)
       self.assertEqual((out.shape, out.dtype), (exact.shape, jnp.dtype(jnp.bfloat16)), name)
