@@ -11,8 +11,11 @@ kernel: the registers, spill bytes, ptxas's warning that it serialized the wgmma
 (C7514: an instruction reads an accumulator whose wgmmas may still run, so every
 wgmma is waited for), and how many of each SASS instruction the kernel has (the
 tensor-core ones: HGMMA for 16-bit operands, QGMMA for e4m3; their waits,
-WARPGROUP.DEPBAR; FFMA). That answers, without a GPU, whether a kernel change keeps
-its wgmmas in flight and its registers out of local memory; speed still needs a GPU.
+WARPGROUP.DEPBAR; FFMA). And, per call, the XLA kernels that run beside ours (the
+optimized HLO's fusions) with the bytes each reads and writes. That answers, without a
+GPU, whether a kernel change keeps its wgmmas in flight and its registers out of local
+memory, and what a call moves outside its kernels; speed still needs a GPU.
+`--op=fp8_linear_step` is `fp8_linear`'s forward and backward (x (M, K), w (K, N)).
 
 Needs Python 3.12 with jax[cuda13] and cuobjdump, in an environment of its own
 (about 4.5 GB of CUDA libraries), with this repository on PYTHONPATH:
@@ -21,7 +24,8 @@ Needs Python 3.12 with jax[cuda13] and cuobjdump, in an environment of its own
     /tmp/sass-env/bin/pip install -r tools/sass_requirements.txt
     PYTHONPATH=. /tmp/sass-env/bin/python tools/sass_report.py --op=matmul --shapes=8192x4096x14336
 
-Writes `sass_report.json` and each kernel's PTX, ptxas log and SASS to `--out_dir`.
+Writes `sass_report.json`, and each call's optimized HLO and each kernel's PTX, ptxas log
+and SASS, to `--out_dir`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -53,7 +58,10 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 """
 # ptxas's note that it waits for every wgmma of the kernel.
 SERIALIZED_WGMMA = "C7514"
-OPS = ("matmul", "ragged_dot", "fp8_matmul")
+OPS = ("matmul", "ragged_dot", "fp8_matmul", "fp8_linear_step")
+# Bytes of one element of each HLO element type a report may meet.
+_HLO_ITEMSIZE = dict(pred=1, s8=1, u8=1, f8e4m3fn=1, f8e5m2=1, bf16=2, f16=2, s32=4, u32=4,
+                     f32=4, s64=8, f64=8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +102,33 @@ def sass_opcodes(sass: str) -> collections.Counter:
   return counts
 
 
+def hlo_shape_bytes(shape: str) -> int:
+  """The bytes of an HLO shape, `bf16[8192,4096]{1,0}` or a tuple of them."""
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", shape):
+    if dtype in _HLO_ITEMSIZE:
+      total += _HLO_ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def hlo_launches(hlo: str) -> list[dict]:
+  """The kernels of an optimized HLO module's entry computation, in order: each
+  fusion and custom call (a Mosaic GPU kernel is `mosaic_gpu_v2`), with the
+  bytes of its operands and of its result, from their shapes."""
+  entry = hlo[hlo.index("ENTRY"):]
+  shapes = dict(re.findall(r"%([\w.\-]+) = (\(.*?\)|\S+) ", entry))
+  launches = []
+  for name, shape, kind, operands in re.findall(
+      r"%([\w.\-]+) = (\(.*?\)|\S+) (fusion|custom-call)\((.*?)\)", entry):
+    target = re.search(r"%" + re.escape(name) + r" = .*?custom_call_target=\"([\w.]+)\"", entry)
+    launches.append(dict(
+        name=name, kind=target[1] if kind == "custom-call" and target else kind,
+        operand_bytes=sum(hlo_shape_bytes(shapes.get(arg, ""))
+                          for arg in re.findall(r"%([\w.\-]+)", operands)),
+        result_bytes=hlo_shape_bytes(shape)))
+  return launches
+
+
 def parse_shape(text: str) -> tuple[int, int, int]:
   m, k, n = (int(x) for x in text.lower().split("x"))
   return m, k, n
@@ -109,9 +144,11 @@ def parse_config(text: str) -> dict:
 
 
 def _compile_op(op: str, shape: tuple[int, int, int], *, groups: int, config: dict,
-                transpose_lhs: bool, transpose_rhs: bool) -> None:
+                transpose_lhs: bool, transpose_rhs: bool) -> str:
   """Traces and compiles `op` at `shape` (bf16; e4m3 for fp8_matmul) for the
-  compile-only H100 device: Mosaic GPU runs ptxas on each of its kernels."""
+  compile-only H100 device, where Mosaic GPU runs ptxas on each of its
+  kernels; returns the optimized HLO. `fp8_linear_step` is `fp8_linear`'s
+  forward and backward, x (M, K), w (K, N) and the cotangent bf16."""
   import jax
   import jax.numpy as jnp
   from jax.experimental import topologies
@@ -145,7 +182,7 @@ def _compile_op(op: str, shape: tuple[int, int, int], *, groups: int, config: di
                                   config=tuning)
     args = (spec((m, k), bf16), spec((groups, n, k) if transpose_rhs else (groups, k, n), bf16),
             spec((groups,), jnp.int32))
-  else:
+  elif op == "fp8_matmul":
     fp8_config = Fp8Config(**config)
     blocks = -(-k // 128)
 
@@ -153,7 +190,14 @@ def _compile_op(op: str, shape: tuple[int, int, int], *, groups: int, config: di
       return pipelines.fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, config=fp8_config)
     args = (spec((m, k), jnp.float8_e4m3fn), spec((n, k), jnp.float8_e4m3fn),
             spec((m, blocks), jnp.float32), spec((-(-n // 128), blocks), jnp.float32))
-  jax.jit(fn).lower(*args).compile()
+  else:
+    fp8_config = Fp8Config(**config)
+
+    def fn(x, w, cotangent):
+      out, vjp = jax.vjp(lambda x, w: pipelines.fp8_linear(x, w, config=fp8_config), x, w)
+      return out, *vjp(cotangent)
+    args = (spec((m, k), bf16), spec((k, n), bf16), spec((m, n), bf16))
+  return jax.jit(fn).lower(*args).compile().as_text()
 
 
 def _tuning_config(config: dict):
@@ -222,8 +266,15 @@ def main(argv: list[str]) -> int:
     dump_dir = out_dir / f"{args.op}_{text}"
     dump_dir.mkdir(parents=True, exist_ok=True)
     os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump_dir)
-    _compile_op(args.op, shape, groups=args.groups, config=parse_config(args.config),
-                transpose_lhs=args.transpose_lhs, transpose_rhs=args.transpose_rhs)
+    hlo = _compile_op(args.op, shape, groups=args.groups, config=parse_config(args.config),
+                      transpose_lhs=args.transpose_lhs, transpose_rhs=args.transpose_rhs)
+    (dump_dir / "optimized_hlo.txt").write_text(hlo)
+    launches = hlo_launches(hlo)
+    results.append(dict(op=args.op, shape=text, launches=launches))
+    others = [launch for launch in launches if launch["kind"] != "mosaic_gpu_v2"]
+    print(f"{args.op} {text}: {len(launches) - len(others)} Mosaic GPU kernels and "
+          f"{len(others)} XLA kernels, which read and write "
+          f"{sum(x['operand_bytes'] + x['result_bytes'] for x in others) / 1e6:.0f} MB")
     for report in kernel_reports(dump_dir):
       results.append(dict(op=args.op, shape=text, **report))
       counts = report["instructions"]

@@ -34,6 +34,26 @@ SASS = """\
         /*3170*/              @UP0 UIADD3 UR6, UR5, -0x5, URZ ;
 """
 
+# The entry computation of a grouped matmul's optimized HLO, trimmed: a fusion, a
+# multi-output fusion and the Mosaic GPU kernel.
+HLO = """\
+HloModule jit_fn
+
+%fused_select (p: s32[4,16]) -> s32[61] {
+  ROOT %p = s32[4,16]{1,0} parameter(0)
+}
+
+ENTRY %main.17 (lhs.1: bf16[16384,2048], group_sizes.1: s32[60]) -> bf16[16384,1408] {
+  %group_sizes.1 = s32[60]{0} parameter(1), metadata={op_name="group_sizes"}
+  %lhs.1 = bf16[16384,2048]{1,0} parameter(0), metadata={op_name="lhs"}
+  %loop_select_fusion = s32[61]{0} fusion(%group_sizes.1), kind=kLoop, calls=%fused_select
+  %loop_min_fusion = (s32[193]{0}, s32[193]{0}) fusion(%loop_select_fusion), kind=kLoop
+  %get-tuple-element.2 = s32[193]{0} get-tuple-element(%loop_min_fusion), index=0
+  ROOT %mpmd_map.1 = bf16[16384,1408]{1,0} custom-call(%lhs.1, %get-tuple-element.2), \
+custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI
+}
+"""
+
 
 class SassReportTest(absltest.TestCase):
 
@@ -55,6 +75,21 @@ class SassReportTest(absltest.TestCase):
   def test_counts_opcodes_without_modifiers_or_predicates(self):
     self.assertEqual(dict(sass_report.sass_opcodes(SASS)),
                      {"QGMMA": 1, "WARPGROUP": 1, "LDS": 1, "FFMA": 2, "BRA": 1, "UIADD3": 1})
+
+  def test_hlo_shape_bytes(self):
+    self.assertEqual(sass_report.hlo_shape_bytes("bf16[8192,4096]{1,0}"), 8192 * 4096 * 2)
+    self.assertEqual(sass_report.hlo_shape_bytes("(f32[64,4096]{1,0}, f8e4m3fn[8192,1,32,128])"),
+                     64 * 4096 * 4 + 8192 * 32 * 128)
+    self.assertEqual(sass_report.hlo_shape_bytes("s32[]"), 4)
+
+  def test_hlo_launches_in_order_with_their_bytes(self):
+    launches = sass_report.hlo_launches(HLO)
+    self.assertEqual([(x["name"], x["kind"]) for x in launches],
+                     [("loop_select_fusion", "fusion"), ("loop_min_fusion", "fusion"),
+                      ("mpmd_map.1", "mosaic_gpu_v2")])
+    self.assertEqual([(x["operand_bytes"], x["result_bytes"]) for x in launches],
+                     [(240, 244), (244, 2 * 193 * 4),
+                      (16384 * 2048 * 2 + 193 * 4, 16384 * 1408 * 2)])
 
   def test_arguments(self):
     self.assertEqual(sass_report.parse_shape("8192x4096X14336"), (8192, 4096, 14336))
