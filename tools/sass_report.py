@@ -231,7 +231,8 @@ def kernel_reports(dump_dir: Path) -> list[dict]:
     subprocess.run([_cuda_tool("ptxas"), "-arch=sm_90a", "-o", str(cubin), str(ptx)],
                    check=True, capture_output=True)
     sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", str(cubin)], check=True,
-                          capture_output=True, text=True).stdout
+                          capture_output=True, text=True,
+                          env=dict(os.environ, NVDISASM_PATH=_cuda_tool("nvdisasm"))).stdout
     ptx.with_suffix(".sass").write_text(sass)
     info = parse_ptxas(ptx.with_suffix(".ptxas").read_text())
     opcodes = sass_opcodes(sass)
@@ -269,6 +270,9 @@ def main(argv: list[str]) -> int:
     hlo = _compile_op(args.op, shape, groups=args.groups, config=parse_config(args.config),
                       transpose_lhs=args.transpose_lhs, transpose_rhs=args.transpose_rhs)
     (dump_dir / "optimized_hlo.txt").write_text(hlo)
+    # Mosaic GPU's log of every MLIR pass, tens of MB a kernel, is not read here.
+    for log in dump_dir.glob("*.mlir-passes.log"):
+      log.unlink()
     launches = hlo_launches(hlo)
     results.append(dict(op=args.op, shape=text, launches=launches))
     others = [launch for launch in launches if launch["kind"] != "mosaic_gpu_v2"]
