@@ -7,7 +7,8 @@ kernel call), `*_sm90.py` (the kernel bodies), `config.py`, `operands.py`,
 `epilogue.py`, `reference.py`, `autotune.py` and `tuning_cache.py`;
 `gated_linear_unit.py` (the fused gated unit of transformer MLPs);
 `ragged_dot.py` and `group_schedule.py` (the grouped matmul of
-mixture-of-experts layers); `fp8.py`, `fp8_quantize.py` and
+mixture-of-experts layers); `fp8.py`, `fp8_quantize.py`,
+`fp8_quantize_sm90.py` (both layouts of a tensor quantized from one read) and
 `fp8_matmul_sm90.py` (the block-scaled FP8 matmul).
 
 The hook contract for kernels built on the cooperative body (the ring
@@ -23,6 +24,7 @@ from pipelines.dot_general import dot_general
 from pipelines.epilogue import Epilogue
 from pipelines.fp8 import fp8_linear, fp8_matmul
 from pipelines.fp8_quantize import dequantize_fp8, quantize_fp8
+from pipelines.fp8_quantize_sm90 import quantize_fp8_both_layouts
 from pipelines.gated_linear_unit import gated_linear_unit
 from pipelines.heuristic import default_config
 from pipelines.kernel_call import (
@@ -45,5 +47,5 @@ __all__ = [
     "fp8_matmul_reference",
     "gated_linear_unit",
     "matmul", "matmul_reference", "pallas_call_matmul", "persistent_kernel", "pipelined_matmul",
-    "quantize_fp8", "ragged_dot", "ws_matmul", "ws_smem_budget",
+    "quantize_fp8", "quantize_fp8_both_layouts", "ragged_dot", "ws_matmul", "ws_smem_budget",
 ]

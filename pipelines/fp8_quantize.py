@@ -49,7 +49,8 @@ def block_scales(amax: jax.Array) -> jax.Array:
   return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
 
 
-def _check_block(block) -> tuple[int, int]:
+def check_block(block) -> tuple[int, int]:
+  """`block` as a tuple; raises unless it is one of `BLOCKS`."""
   block = tuple(block)
   if block not in BLOCKS:
     raise ValueError(f"block={block} must be one of {BLOCKS}")
@@ -75,13 +76,18 @@ def quantize_fp8(x: jax.Array, block: tuple[int, int] = ROW_BLOCK) -> tuple[jax.
     2**8 times smaller than their block's largest). A block of zeros has
     scale 1.
   """
-  block = _check_block(block)
+  block = check_block(block)
+  check_quantizable(x)
+  return _quantize(x, block)
+
+
+def check_quantizable(x: jax.Array) -> None:
+  """Raises unless `x` is 2-D float32, bfloat16 or float16."""
   if x.ndim != 2:
     raise ValueError(f"x must be 2-D (rows, columns), got {x.shape=}")
   if jnp.dtype(x.dtype) not in _QUANTIZABLE_DTYPES:
     raise ValueError(f"x.dtype={jnp.dtype(x.dtype).name} must be one of "
                      f"{[d.name for d in _QUANTIZABLE_DTYPES]}")
-  return _quantize(x, block)
 
 
 @functools.partial(jax.jit, static_argnames="block")
@@ -106,7 +112,7 @@ def dequantize_fp8(values: jax.Array, scales: jax.Array,
       one scale for the whole tensor.
     block: as `quantize_fp8` took it.
   """
-  block = _check_block(block)
+  block = check_block(block)
   if values.ndim != 2 or jnp.dtype(values.dtype) != FP8_DTYPE:
     raise ValueError(f"values must be 2-D (R, C) {jnp.dtype(FP8_DTYPE).name}, got {values.shape} "
                      f"{jnp.dtype(values.dtype).name}")

@@ -1,6 +1,7 @@
 """FP8 quantization and the block-scaled `fp8_matmul`, in interpret mode and on a GPU."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from pipelines import (
   fp8_matmul,
   fp8_matmul_reference,
   quantize_fp8,
+  quantize_fp8_both_layouts,
 )
 from pipelines import matmul_test_base as base
 from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK, scales_shape
@@ -147,6 +149,59 @@ class QuantizeTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, r"values must be 2-D \(R, C\) float8_e4m3fn, got "
                                 r"\(100, 256\) bfloat16"):
       dequantize_fp8(values.astype(jnp.bfloat16), scales)
+
+
+def assert_bitwise_equal(test, got, want, what):
+  """The same shape, dtype and values (e4m3 compared through float32)."""
+  test.assertEqual((got.shape, got.dtype), (want.shape, want.dtype), what)
+  mismatched = int(np.sum(np.asarray(got.astype(jnp.float32)) !=
+                          np.asarray(want.astype(jnp.float32))))
+  test.assertEqual(mismatched, 0, f"{what}: {mismatched} elements differ")
+
+
+class QuantizeBothLayoutsTest(testing.KernelTestCase):
+  """`quantize_fp8_both_layouts` is `quantize_fp8` of x and of x.T, bit for bit."""
+
+  def check(self, shape, block, dtype):
+    # Rows of magnitudes 2**-6 to 2**6 (apart by more than a block's
+    # range of e4m3), so a row's or a column's scale taken from the wrong
+    # place shows.
+    x = (testing.random_array(11, shape, jnp.float32)
+         * jnp.exp2(jnp.round(testing.random_array(12, (shape[0], 1), jnp.float32) * 3))
+         ).astype(dtype)
+    (values, scales), (values_t, scales_t) = self.run_kernel(
+        functools.partial(quantize_fp8_both_layouts, block=block), x)
+    for what, got, want in zip(("values", "scales", "values of x.T", "scales of x.T"),
+                               (values, scales, values_t, scales_t),
+                               (*quantize_fp8(x, block), *quantize_fp8(x.T, block)),
+                               strict=True):
+      assert_bitwise_equal(self, got, want, what)
+
+  @parameterized.product(block=[ROW_BLOCK, SQUARE_BLOCK],
+                         shape=[(256, 384), (200, 136)])
+  def test_each_layout_is_quantize_fp8(self, block, shape):
+    """Aligned, and padded to whole tiles (the pads cut off)."""
+    self.check(shape, block, jnp.bfloat16)
+
+  @parameterized.parameters(jnp.float16, jnp.float32)
+  def test_other_dtypes(self, dtype):
+    """float16 through the kernel; float32 through `quantize_fp8` twice (the
+    tensor cores would round it to tf32)."""
+    self.check((128, 256), ROW_BLOCK, dtype)
+
+  def test_empty(self):
+    (values, scales), (values_t, scales_t) = quantize_fp8_both_layouts(
+        jnp.ones((0, 256), jnp.bfloat16))
+    self.assertEqual((values.shape, scales.shape, values_t.shape, scales_t.shape),
+                     ((0, 256), (0, 2), (256, 0), (256, 0)))
+
+  def test_errors(self):
+    with self.assertRaisesRegex(ValueError, r"block=\(64, 64\) must be one of"):
+      quantize_fp8_both_layouts(jnp.ones((4, 4), jnp.bfloat16), (64, 64))
+    with self.assertRaisesRegex(ValueError, "x must be 2-D"):
+      quantize_fp8_both_layouts(jnp.ones((2, 4, 4), jnp.bfloat16))
+    with self.assertRaisesRegex(ValueError, "x.dtype=int32 must be one of"):
+      quantize_fp8_both_layouts(jnp.ones((4, 4), jnp.int32))
 
 
 class Fp8MatmulTest(testing.KernelTestCase):
