@@ -38,6 +38,13 @@ Each record has the time, TFLOP/s, the ratio to `jnp.dot` (the median of the
 rounds' ratios, and their range) and the relative error against the float32
 product of the unquantized data (FP8's own rounding included).
 
+With `--quantize_both_layouts`, the quantization of an FP8 training step's
+operands in both of their layouts (each of x, g and w enters two products: as
+stored and transposed), at the cotangent's shape (M, N) in (1, 128) blocks and
+the weight's (K, N) in (128, 128) blocks, against XLA's `quantize_fp8` of the
+tensor and of its transpose (the baseline of these rows):
+  quantize both layouts: ours, one read   `quantize_fp8_both_layouts`
+
 With `--precision`, it also measures `fp8_matmul`'s error against the float32
 product of the dequantized operands (the same e4m3 values and scales: the
 kernel's own error, not FP8's rounding) at each K of `--precision_k`, with a
@@ -60,7 +67,15 @@ from absl import flags
 
 from core import has_gpu, timing
 from core.numerics import relative_error
-from pipelines import Fp8Config, dequantize_fp8, fp8_linear, fp8_matmul, matmul, quantize_fp8
+from pipelines import (
+    Fp8Config,
+    dequantize_fp8,
+    fp8_linear,
+    fp8_matmul,
+    matmul,
+    quantize_fp8,
+    quantize_fp8_both_layouts,
+)
 from pipelines.config import FP8_DTYPE
 from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK
 from tools import cli, model_shapes, report
@@ -70,6 +85,7 @@ BASELINE = "jnp.dot"
 TWO_BLOCK_STEPS = Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)
 TRAIN_BASELINE = "train: jnp.dot (XLA autodiff)"
 QUANTIZED_BASELINE = "quantized output: jnp.dot, then quantize_fp8"
+BOTH_LAYOUTS_BASELINE = "quantize both layouts: XLA, quantize_fp8 of x and x.T"
 
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
                                "Where results go; relative to where the command ran.")
@@ -83,6 +99,10 @@ _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds in which the implementations
 _TRAIN = flags.DEFINE_bool("train", False, "Also time a layer's forward + backward.")
 _QUANTIZED_OUTPUT = flags.DEFINE_bool(
     "quantized_output", False, "Also time a bf16 product whose output is quantized to e4m3.")
+_BOTH_LAYOUTS = flags.DEFINE_bool(
+    "quantize_both_layouts", False,
+    "Also time the quantization of a tensor and its transpose (the cotangent's and the "
+    "weight's shapes).")
 _PRECISION = flags.DEFINE_bool("precision", False,
                                "Also measure the kernels' error at each K of --precision_k.")
 _PRECISION_K = flags.DEFINE_list("precision_k", ["128", "1024", "4096", "16384"],
@@ -171,8 +191,18 @@ def quantized_output_implementations() -> dict:
   }
 
 
+def both_layouts_implementations(block: tuple[int, int]) -> dict:
+  """{name: fn(a)}: `a` quantized in `block`s, as stored and transposed."""
+  return {
+      BOTH_LAYOUTS_BASELINE: lambda a: (quantize_fp8(a, block), quantize_fp8(a.T, block)),
+      "quantize both layouts: ours, one read": functools.partial(
+          quantize_fp8_both_layouts, block=block),
+  }
+
+
 def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
-                  rounds: int, quantized_output: bool = False) -> list[dict]:
+                  rounds: int, quantized_output: bool = False,
+                  both_layouts: bool = False) -> list[dict]:
   x, w = cli.random_operands(m, k, n, jnp.bfloat16)
   shape = dict(shape=f"{m}x{k}x{n}", layout="NN")
   impls, operands = forward_implementations(x, w)
@@ -186,6 +216,16 @@ def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
         quantized_output_implementations(), (x, w), flops=2 * m * k * n,
         baseline=QUANTIZED_BASELINE, reference=quantize_fp8(exact, ROW_BLOCK),
         iterations=iterations, rounds=rounds).values()]
+  if both_layouts:
+    # No FLOPs: the records' TFLOP/s are not meaningful, their times and ratios are.
+    for name, tensor, block in (("cotangent", cli.random_operands(m, n, 1, jnp.bfloat16)[0],
+                                 ROW_BLOCK), ("weight", w, SQUARE_BLOCK)):
+      impls = both_layouts_implementations(block)
+      reference = impls[BOTH_LAYOUTS_BASELINE](tensor)
+      records += [dict(r, dtype="float8_e4m3fn", shape=f"{m}x{k}x{n} ({name})", layout="NN")
+                  for r in timing.time_in_rounds(
+                      impls, (tensor,), flops=tensor.size, baseline=BOTH_LAYOUTS_BASELINE,
+                      reference=reference, iterations=iterations, rounds=rounds).values()]
   if train:
     cotangent = jax.random.normal(jax.random.key(2), (m, n), jnp.float32).astype(jnp.bfloat16)
     exact_grads = jax.vjp(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST),
@@ -261,7 +301,8 @@ def main(argv):
   records = []
   for m, k, n in problems:
     records += bench_problem(m, k, n, train=_TRAIN.value, iterations=_ITERATIONS.value,
-                             rounds=_ROUNDS.value, quantized_output=_QUANTIZED_OUTPUT.value)
+                             rounds=_ROUNDS.value, quantized_output=_QUANTIZED_OUTPUT.value,
+                             both_layouts=_BOTH_LAYOUTS.value)
     report.write_json(path, records)  # After each problem, so a stopped run keeps them.
   if _PRECISION.value:
     records += precision_records([int(k) for k in _PRECISION_K.value])

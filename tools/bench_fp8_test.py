@@ -3,12 +3,13 @@ product it names (interpret mode on CPU)."""
 
 import jax
 import jax.numpy as jnp
-from absl.testing import absltest, flagsaver
+from absl.testing import absltest, flagsaver, parameterized
 
 import simulator
 from core import testing
 from core.numerics import relative_error
 from pipelines import dequantize_fp8
+from pipelines.fp8_quantize import ROW_BLOCK, SQUARE_BLOCK
 from tools import bench_fp8 as bench
 
 # The persistent FP8 kernel's warpgroups block on each other's barriers, each on
@@ -46,6 +47,18 @@ class ImplementationsTest(testing.KernelTestCase):
       out = self.run_kernel(jax.jit(fn), operands)
       self.assertEqual((out.shape, out.dtype), (exact.shape, jnp.dtype(jnp.bfloat16)), name)
       self.assertLess(relative_error(out, exact), FP8_TOLERANCE, name)
+
+  @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
+  def test_both_layouts_as_xla_quantizes_them(self, block):
+    a = testing.random_array(10, (256, 384), jnp.bfloat16)
+    impls = bench.both_layouts_implementations(block)
+    self.assertLen(impls, 2)
+    want = jax.tree.leaves(impls[bench.BOTH_LAYOUTS_BASELINE](a))
+    for name, fn in impls.items():
+      got = jax.tree.leaves(self.run_kernel(jax.jit(fn), a))
+      for g, w in zip(got, want, strict=True):
+        self.assertEqual(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))),
+                         0.0, name)
 
   def test_each_quantized_output_is_the_quantized_product(self):
     """(values, scales) in (1, 128) blocks of x @ w: each dequantized within
