@@ -156,9 +156,10 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
   both in (1, 128) blocks along M: each column of g (an output feature)
   gets scales of its own, as each row of x.T does, since a cotangent's
   columns can differ by orders of magnitude, which one scale per 128 of
-  them would flush to zero. Each quantization is one XLA fusion that reads
-  its operand once (the transposes happen in it); the products run on
-  `fp8_matmul`. d bias is g's column sum in float32.
+  them would flush to zero. Each quantization is `quantize_fp8` (XLA reads
+  its operand once for the block maxima and once to divide and round, the
+  transposes in that pass); the products run on `fp8_matmul`. d bias is g's
+  column sum in float32.
 
   Args:
     x: (..., K) bfloat16 or float16; leading dimensions are rows (M), as a

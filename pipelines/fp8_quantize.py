@@ -1,4 +1,4 @@
-"""FP8 (e4m3) quantization with one float32 scale per block (one XLA fusion).
+"""FP8 (e4m3) quantization with one float32 scale per block, in XLA.
 
 A tensor is quantized per block: each block of its elements is divided by a
 float32 scale, its largest magnitude over e4m3's largest finite value (448),
@@ -58,7 +58,8 @@ def check_block(block) -> tuple[int, int]:
 
 
 def quantize_fp8(x: jax.Array, block: tuple[int, int] = ROW_BLOCK) -> tuple[jax.Array, jax.Array]:
-  """Quantizes `x` to e4m3 with one float32 scale per block (one XLA fusion).
+  """Quantizes `x` to e4m3 with one float32 scale per block (XLA: a pass that
+  takes the blocks' largest magnitudes, then one that divides and rounds).
 
   Args:
     x: (R, C) float32, bfloat16 or float16, finite (a non-finite element
