@@ -5,8 +5,8 @@
 
 Compiles an op for sm_90a through XLA's compile-only path for a GPU that is not
 there (`jax.experimental.topologies`, with an H100's target description), so that
-Mosaic GPU lowers each kernel and runs ptxas as it would on the GPU machine; then
-assembles the PTX again and disassembles it (`cuobjdump -sass`). Reports, per
+Mosaic GPU lowers each kernel and runs ptxas as it would on the GPU machine, and
+lists the SASS of what it built (with nvdisasm). Reports, per
 kernel: the registers, spill bytes, ptxas's warning that it serialized the wgmmas
 (C7514: an instruction reads an accumulator whose wgmmas may still run, so every
 wgmma is waited for), and how many of each SASS instruction the kernel has (the
@@ -16,6 +16,7 @@ optimized HLO's fusions) with the bytes each reads and writes. That answers, wit
 GPU, whether a kernel change keeps its wgmmas in flight and its registers out of local
 memory, and what a call moves outside its kernels; speed still needs a GPU.
 `--op=fp8_linear_step` is `fp8_linear`'s forward and backward (x (M, K), w (K, N)).
+`--fail_on=serialized,spills` makes it a check: exit 1 where any kernel has either.
 
 Needs Python 3.12 with jax[cuda13] and cuobjdump, in an environment of its own
 (about 4.5 GB of CUDA libraries), with this repository on PYTHONPATH:
@@ -88,7 +89,11 @@ def parse_ptxas(log: str) -> PtxasInfo:
                    warnings=warnings)
 
 
-_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+# An instruction line of `cuobjdump -sass`, or of nvdisasm's listing with each
+# instruction's control codes before it ("-:-:1:Y:02").
+_SASS_INSTRUCTION = re.compile(
+    r"^\s*(?:[-\d]+:[-\d]+:[-\d]+:[-YN]:\d+\s+)?/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?"
+    r"([A-Z][A-Z0-9_]*)")
 
 
 def sass_opcodes(sass: str) -> collections.Counter:
@@ -223,17 +228,23 @@ def _cuda_tool(name: str) -> str:
 
 def kernel_reports(dump_dir: Path) -> list[dict]:
   """Each kernel Mosaic GPU dumped into `dump_dir`: the report of its own ptxas
-  run (`<kernel>.ptxas`) and the SASS instruction counts of its PTX, assembled
-  again for sm_90a and disassembled."""
+  run (`<kernel>.ptxas`) and the instruction counts of its SASS: Mosaic GPU's
+  own listing of the binary it built (`<kernel>.sass_ctrl`), or where there is
+  none, its PTX assembled again for sm_90a and disassembled (which need not be
+  the same code: ptxas's options may differ)."""
   reports = []
   for ptx in sorted(dump_dir.glob("*.ptx")):
-    cubin = ptx.with_suffix(".cubin")
-    subprocess.run([_cuda_tool("ptxas"), "-arch=sm_90a", "-o", str(cubin), str(ptx)],
-                   check=True, capture_output=True)
-    sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", str(cubin)], check=True,
-                          capture_output=True, text=True,
-                          env=dict(os.environ, NVDISASM_PATH=_cuda_tool("nvdisasm"))).stdout
-    ptx.with_suffix(".sass").write_text(sass)
+    listing = ptx.with_suffix(".sass_ctrl")
+    if listing.exists():
+      sass = listing.read_text()
+    else:
+      cubin = ptx.with_suffix(".cubin")
+      subprocess.run([_cuda_tool("ptxas"), "-arch=sm_90a", "-o", str(cubin), str(ptx)],
+                     check=True, capture_output=True)
+      sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", str(cubin)], check=True,
+                            capture_output=True, text=True,
+                            env=dict(os.environ, NVDISASM_PATH=_cuda_tool("nvdisasm"))).stdout
+      ptx.with_suffix(".sass").write_text(sass)
     info = parse_ptxas(ptx.with_suffix(".ptxas").read_text())
     opcodes = sass_opcodes(sass)
     reports.append(dict(kernel=ptx.stem, **dataclasses.asdict(info),
@@ -253,7 +264,13 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--transpose_lhs", action="store_true")
   parser.add_argument("--transpose_rhs", action="store_true")
   parser.add_argument("--out_dir", default="sass_report")
+  parser.add_argument("--fail_on", default="",
+                      help="serialized,spills: exit 1 if any kernel has serialized wgmmas or "
+                           "spills registers (a check before landing a kernel change)")
   args = parser.parse_args(argv)
+  fail_on = set(filter(None, args.fail_on.split(",")))
+  if not fail_on <= {"serialized", "spills"}:
+    parser.error(f"--fail_on={args.fail_on!r}: must name serialized and/or spills")
 
   out_dir = Path(args.out_dir).resolve()
   # Before jax starts: no GPU to check the CUDA libraries against, kernels
@@ -288,7 +305,22 @@ def main(argv: list[str]) -> int:
             + ", ".join(f"{op} {counts.get(op, 0)}" for op in
                         ("HGMMA", "QGMMA", "WARPGROUP", "FFMA", "STL", "LDL")))
   (out_dir / "sass_report.json").write_text(json.dumps(results, indent=1))
-  return 0
+  failures = failed_kernels([r for r in results if "kernel" in r], fail_on)
+  for failure in failures:
+    print(f"FAILED: {failure}")
+  return 1 if failures else 0
+
+
+def failed_kernels(reports: list[dict], fail_on: set[str]) -> list[str]:
+  """The kernels of `reports` (`kernel_reports`' rows) that `--fail_on` rejects."""
+  failures = []
+  for report in reports:
+    name = f"{report.get('op', '')} {report.get('shape', '')} {report['kernel']}".strip()
+    if "serialized" in fail_on and report["serialized_wgmma"]:
+      failures.append(f"{name}: ptxas serialized its wgmmas ({SERIALIZED_WGMMA})")
+    if "spills" in fail_on and report["spill_store_bytes"]:
+      failures.append(f"{name}: {report['spill_store_bytes']} bytes of registers spilled")
+  return failures
 
 
 if __name__ == "__main__":

@@ -72,6 +72,14 @@ class SassReportTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "not a ptxas -v log"):
       sass_report.parse_ptxas("ptxas fatal   : Unresolved extern function")
 
+  def test_counts_the_opcodes_of_a_listing_with_control_codes(self):
+    listing = """\
+   -:-:1:Y:02        /*0000*/                   LDC R1, c[0x0][0x28]
+   1:-:-:Y:01        /*0010*/                   VIADD R1, R1, 0xfffffff8
+   -:-:-:-:04        /*0070*/              @!P0 STL [R1], R0
+"""
+    self.assertEqual(dict(sass_report.sass_opcodes(listing)), {"LDC": 1, "VIADD": 1, "STL": 1})
+
   def test_counts_opcodes_without_modifiers_or_predicates(self):
     self.assertEqual(dict(sass_report.sass_opcodes(SASS)),
                      {"QGMMA": 1, "WARPGROUP": 1, "LDS": 1, "FFMA": 2, "BRA": 1, "UIADD3": 1})
@@ -90,6 +98,17 @@ class SassReportTest(absltest.TestCase):
     self.assertEqual([(x["operand_bytes"], x["result_bytes"]) for x in launches],
                      [(240, 244), (244, 2 * 193 * 4),
                       (16384 * 2048 * 2 + 193 * 4, 16384 * 1408 * 2)])
+
+  def test_fail_on(self):
+    clean = dict(kernel="a", serialized_wgmma=False, spill_store_bytes=0)
+    spilling = dict(kernel="b", serialized_wgmma=False, spill_store_bytes=12)
+    serialized = dict(kernel="c", serialized_wgmma=True, spill_store_bytes=0)
+    reports = [clean, spilling, serialized]
+    self.assertEqual(sass_report.failed_kernels(reports, set()), [])
+    self.assertEqual(len(sass_report.failed_kernels(reports, {"serialized"})), 1)
+    self.assertEqual(len(sass_report.failed_kernels(reports, {"serialized", "spills"})), 2)
+    with self.assertRaises(SystemExit):
+      sass_report.main(["--op=matmul", "--shapes=8x8x8", "--fail_on=slow"])
 
   def test_arguments(self):
     self.assertEqual(sass_report.parse_shape("8192x4096X14336"), (8192, 4096, 14336))
