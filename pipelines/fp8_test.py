@@ -189,6 +189,15 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
     tensor cores would round it to tf32)."""
     self.check((128, 256), ROW_BLOCK, dtype)
 
+  @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
+  def test_lowers_for_the_gpu(self, block):
+    """Mosaic GPU's checks (the identity's and the transposed tile's wgmma
+    operands, the e4m3 stores, the TMA copies), for CUDA (a CPU lowers too)."""
+    x = testing.random_array(13, (256, 384), jnp.bfloat16)
+    text = testing.lowered_for_gpu(
+        functools.partial(quantize_fp8_both_layouts, block=block), x)
+    self.assertEqual(testing.mosaic_kernel_count(text), 1)
+
   def test_empty(self):
     (values, scales), (values_t, scales_t) = quantize_fp8_both_layouts(
         jnp.ones((0, 256), jnp.bfloat16))
@@ -428,6 +437,16 @@ class Fp8MatmulPersistentTest(Fp8MatmulWarpSpecializedTest):
     self.check(*shape, seed=61, out_dtype=jnp.float32, rhs_block=rhs_block,
                config=self.TWO_BLOCK_STEPS,
                epilogue=Epilogue(activation="silu", has_bias=has_bias))
+
+  @parameterized.parameters((SQUARE_BLOCK,), (ROW_BLOCK,))
+  def test_steps_of_two_blocks_lower_for_the_gpu(self, rhs_block):
+    """Mosaic GPU's checks of the two accumulators and the half-width
+    operand slices, for CUDA (a CPU lowers too)."""
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(63, 128, 512, 256, rhs_block)
+    text = testing.lowered_for_gpu(
+        lambda *a: fp8_matmul(*a, config=self.TWO_BLOCK_STEPS), lhs, rhs, lhs_scales,
+        rhs_scales)
+    self.assertEqual(testing.mosaic_kernel_count(text), 1)
 
   def test_steps_of_two_blocks_quantizing_the_output(self):
     self.check_quantized_output(*self.SEVERAL_TILES, config=self.TWO_BLOCK_STEPS)
