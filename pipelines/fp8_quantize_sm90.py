@@ -40,6 +40,7 @@ from pipelines.fp8_quantize import (
     check_block,
     check_quantizable,
     quantize_fp8,
+    scales_shape,
 )
 from pipelines.operands import round_up, zero_pad
 
@@ -96,8 +97,9 @@ def _quantize_both_layouts(x: jax.Array, block: tuple[int, int]):
   scales, scales_t = scales_of_rows.T, scales_of_columns.T
   if block == SQUARE_BLOCK:
     scales, scales_t = scales[::TILE], scales_t[::TILE]
-  scales = scales[:-(-rows // block[0]), :-(-cols // block[1])]
-  scales_t = scales_t[:-(-cols // block[0]), :-(-rows // block[1])]
+  scale_rows, scale_cols = scales_shape((rows, cols), block)
+  scale_t_rows, scale_t_cols = scales_shape((cols, rows), block)
+  scales, scales_t = scales[:scale_rows, :scale_cols], scales_t[:scale_t_rows, :scale_t_cols]
   return (values[:rows, :cols], scales), (values_t[:cols, :rows], scales_t)
 
 
