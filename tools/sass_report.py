@@ -41,6 +41,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools import cli
+
 # An H100 SXM as XLA describes a GPU it compiles for without one (XLA's
 # gpu_specs/h100_sxm.txtpb). sm_90a code is the same for an H200; only
 # memory sizes and bandwidth differ.
@@ -134,33 +136,32 @@ def hlo_launches(hlo: str) -> list[dict]:
   return launches
 
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-  m, k, n = (int(x) for x in text.lower().split("x"))
-  return m, k, n
+def parse_request(op: str, shapes: str, config: str) -> tuple[list[tuple[int, ...]], object]:
+  """The problems ("MxKxN,...") and the config ("field=value,...") of a run of
+  `op`, parsed before anything compiles: a `TuningConfig` for matmul and
+  ragged_dot (None, the heuristic's, for none) or an `Fp8Config` for the FP8
+  ops (the default for none). Raises ValueError naming a bad shape or field."""
+  from pipelines import Fp8Config, TuningConfig
+  problems = [cli.parse_shape(text) for text in shapes.split(",")]
+  if op in ("matmul", "ragged_dot"):
+    return problems, cli.parse_config(TuningConfig, config) if config else None
+  return problems, cli.parse_config(Fp8Config, config)
 
 
-def parse_config(text: str) -> dict:
-  """`key=value,...` as keyword arguments: ints where they parse, else strings."""
-  out = {}
-  for item in filter(None, text.split(",")):
-    key, _, value = item.partition("=")
-    out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
-  return out
-
-
-def _compile_op(op: str, shape: tuple[int, int, int], *, groups: int, config: dict,
+def _compile_op(op: str, shape: tuple[int, ...], *, groups: int, config,
                 transpose_lhs: bool, transpose_rhs: bool) -> str:
-  """Traces and compiles `op` at `shape` (bf16; e4m3 for fp8_matmul) for the
-  compile-only H100 device, where Mosaic GPU runs ptxas on each of its
-  kernels; returns the optimized HLO. `fp8_linear_step` is `fp8_linear`'s
-  forward and backward, x (M, K), w (K, N) and the cotangent bf16."""
+  """Traces and compiles `op` at `shape` (bf16; e4m3 for fp8_matmul) with
+  `config` (`parse_request`'s) for the compile-only H100 device, where Mosaic
+  GPU runs ptxas on each of its kernels; returns the optimized HLO.
+  `fp8_linear_step` is `fp8_linear`'s forward and backward, x (M, K), w (K, N)
+  and the cotangent bf16."""
   import jax
   import jax.numpy as jnp
   from jax.experimental import topologies
   from jax.sharding import SingleDeviceSharding
 
   import pipelines
-  from pipelines import Fp8Config
+  from pipelines.fp8_quantize import ROW_BLOCK, SQUARE_BLOCK, scales_shape
 
   topology = topologies.get_topology_desc("sass_report", "cuda", target_config=H100_TARGET,
                                           topology="1x1x1")
@@ -172,48 +173,29 @@ def _compile_op(op: str, shape: tuple[int, int, int], *, groups: int, config: di
   m, k, n = shape
   bf16 = jnp.bfloat16
   if op == "matmul":
-    tuning = _tuning_config(config)
-
     def fn(lhs, rhs):
       return pipelines.matmul(lhs, rhs, transpose_lhs=transpose_lhs,
-                              transpose_rhs=transpose_rhs, config=tuning)
+                              transpose_rhs=transpose_rhs, config=config)
     args = (spec((k, m) if transpose_lhs else (m, k), bf16),
             spec((n, k) if transpose_rhs else (k, n), bf16))
   elif op == "ragged_dot":
-    tuning = _tuning_config(config)
-
     def fn(lhs, rhs, group_sizes):
       return pipelines.ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                                  config=tuning)
+                                  config=config)
     args = (spec((m, k), bf16), spec((groups, n, k) if transpose_rhs else (groups, k, n), bf16),
             spec((groups,), jnp.int32))
   elif op == "fp8_matmul":
-    fp8_config = Fp8Config(**config)
-    blocks = -(-k // 128)
-
     def fn(lhs, rhs, lhs_scales, rhs_scales):
-      return pipelines.fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, config=fp8_config)
+      return pipelines.fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, config=config)
     args = (spec((m, k), jnp.float8_e4m3fn), spec((n, k), jnp.float8_e4m3fn),
-            spec((m, blocks), jnp.float32), spec((-(-n // 128), blocks), jnp.float32))
+            spec(scales_shape((m, k), ROW_BLOCK), jnp.float32),
+            spec(scales_shape((n, k), SQUARE_BLOCK), jnp.float32))
   else:
-    fp8_config = Fp8Config(**config)
-
     def fn(x, w, cotangent):
-      out, vjp = jax.vjp(lambda x, w: pipelines.fp8_linear(x, w, config=fp8_config), x, w)
+      out, vjp = jax.vjp(lambda x, w: pipelines.fp8_linear(x, w, config=config), x, w)
       return out, *vjp(cotangent)
     args = (spec((m, k), bf16), spec((k, n), bf16), spec((m, n), bf16))
   return jax.jit(fn).lower(*args).compile().as_text()
-
-
-def _tuning_config(config: dict):
-  """A `TuningConfig` of `parse_config`'s keywords, its enums by name
-  (schedule=pingpong, grid_minor_dim=n); None (the heuristic's) for none."""
-  from pipelines.config import MatmulDimension, Schedule, TuningConfig
-  if not config:
-    return None
-  enums = dict(schedule=Schedule, grid_minor_dim=MatmulDimension, wg_dimension=MatmulDimension)
-  return TuningConfig(**{key: enums[key][value.upper()] if key in enums else value
-                         for key, value in config.items()})
 
 
 def _cuda_tool(name: str) -> str:
@@ -259,8 +241,9 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--shapes", required=True, help="MxKxN,...")
   parser.add_argument("--groups", type=int, default=8, help="ragged_dot's G.")
   parser.add_argument("--config", default="",
-                      help="key=value,... of TuningConfig (matmul, ragged_dot; default: "
-                           "the heuristic's) or Fp8Config (fp8_matmul)")
+                      help="field=value,... of TuningConfig (matmul, ragged_dot; enums by "
+                           "name, schedule=PINGPONG; default: the heuristic's) or Fp8Config "
+                           "(fp8_matmul, fp8_linear_step)")
   parser.add_argument("--transpose_lhs", action="store_true")
   parser.add_argument("--transpose_rhs", action="store_true")
   parser.add_argument("--out_dir", default="sass_report")
@@ -271,6 +254,7 @@ def main(argv: list[str]) -> int:
   fail_on = set(filter(None, args.fail_on.split(",")))
   if not fail_on <= {"serialized", "spills"}:
     parser.error(f"--fail_on={args.fail_on!r}: must name serialized and/or spills")
+  problems, config = parse_request(args.op, args.shapes, args.config)
 
   out_dir = Path(args.out_dir).resolve()
   # Before jax starts: no GPU to check the CUDA libraries against, kernels
@@ -279,12 +263,11 @@ def main(argv: list[str]) -> int:
   os.environ.update(JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", MGPU_INTERPRET="0",
                     MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_PTXAS="1")
   results = []
-  for text in args.shapes.split(","):
-    shape = parse_shape(text)
+  for text, shape in zip(args.shapes.split(","), problems, strict=True):
     dump_dir = out_dir / f"{args.op}_{text}"
     dump_dir.mkdir(parents=True, exist_ok=True)
     os.environ["MOSAIC_GPU_DUMP_TO"] = str(dump_dir)
-    hlo = _compile_op(args.op, shape, groups=args.groups, config=parse_config(args.config),
+    hlo = _compile_op(args.op, shape, groups=args.groups, config=config,
                       transpose_lhs=args.transpose_lhs, transpose_rhs=args.transpose_rhs)
     (dump_dir / "optimized_hlo.txt").write_text(hlo)
     # Mosaic GPU's log of every MLIR pass, tens of MB a kernel, is not read here.

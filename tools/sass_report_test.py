@@ -2,6 +2,7 @@
 
 from absl.testing import absltest
 
+from pipelines import Fp8Config, Schedule, TuningConfig
 from tools import sass_report
 
 # From Mosaic GPU's ptxas log of a kernel whose wgmmas ptxas serialized.
@@ -111,10 +112,20 @@ class SassReportTest(absltest.TestCase):
       sass_report.main(["--op=matmul", "--shapes=8x8x8", "--fail_on=slow"])
 
   def test_arguments(self):
-    self.assertEqual(sass_report.parse_shape("8192x4096X14336"), (8192, 4096, 14336))
-    self.assertEqual(sass_report.parse_config("k_blocks_per_step=2, schedule=pingpong"),
-                     {"k_blocks_per_step": 2, "schedule": "pingpong"})
-    self.assertEqual(sass_report.parse_config(""), {})
+    """Shapes and the config are parsed before anything compiles, enums by name."""
+    self.assertEqual(sass_report.parse_request("matmul", "8192x4096X14336", ""),
+                     ([(8192, 4096, 14336)], None))
+    self.assertEqual(sass_report.parse_request("matmul", "8x8x8",
+                                               "tile_m=128,tile_n=192,schedule=PINGPONG")[1],
+                     TuningConfig(tile_m=128, tile_n=192, schedule=Schedule.PINGPONG))
+    self.assertEqual(sass_report.parse_request("fp8_matmul", "8x8x8", "k_blocks_per_step=2,"
+                                               "max_concurrent_steps=2")[1],
+                     Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2))
+    self.assertEqual(sass_report.parse_request("fp8_linear_step", "8x8x8", "")[1], Fp8Config())
+    with self.assertRaisesRegex(ValueError, "shape '4096x4096' must be 3 positive integers"):
+      sass_report.main(["--op=matmul", "--shapes=4096x4096"])
+    with self.assertRaisesRegex(ValueError, "TuningConfig has no field 'tile_q'"):
+      sass_report.main(["--op=matmul", "--shapes=8x8x8", "--config=tile_q=3"])
 
 
 if __name__ == "__main__":
