@@ -45,8 +45,11 @@ def rhs_scales_block(rhs_shape: tuple[int, int], rhs_scales_shape: tuple) -> tup
 
 def block_scales(amax: jax.Array) -> jax.Array:
   """The scales of blocks whose largest magnitudes are `amax` (float32): the
-  largest maps to e4m3's largest value; a block of zeros gets 1."""
-  return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+  largest maps to e4m3's largest value; a block of zeros gets 1. An `amax`
+  of NaN (where the maximum kept a NaN) gives scale NaN and one of inf
+  scale inf, so that the block dequantizes to NaN whole (a test `amax > 0`
+  would give a NaN's block scale 1, its other elements rounded unscaled)."""
+  return jnp.where(amax == 0, 1.0, amax / E4M3_MAX)
 
 
 def check_block(block) -> tuple[int, int]:
@@ -62,8 +65,9 @@ def quantize_fp8(x: jax.Array, block: tuple[int, int] = ROW_BLOCK) -> tuple[jax.
   takes the blocks' largest magnitudes, then one that divides and rounds).
 
   Args:
-    x: (R, C) float32, bfloat16 or float16, finite (a non-finite element
-      makes its block's scale and values NaN).
+    x: (R, C) float32, bfloat16 or float16, finite: a NaN or inf
+      dequantizes to NaN, and may take its block's other elements with it
+      (their scale is then NaN or inf).
     block: (1, 128): a scale per row and 128 columns (an activation, whose
       columns are K); (128, 128): per 128x128 block (a weight stored (N, K)).
       Blocks at the edges may be partial.

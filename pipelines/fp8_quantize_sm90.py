@@ -17,7 +17,11 @@ takes each tile into SMEM once and writes both layouts and their scales:
 One block per tile and one warpgroup per block; blocks overlap one another's
 loads and stores. The values and scales are those of `quantize_fp8`, bit
 for bit: the same maxima and scales, and the values times the scales'
-reciprocals, as XLA computes `quantize_fp8`'s division, rounded to e4m3.
+reciprocals, as XLA computes `quantize_fp8`'s division, rounded to e4m3. One
+exception: a zero of x.T's layout may have the other sign (the identity's
+products sum a -0 to +0), which no product that reads the values can tell
+apart. And a non-finite element of x, times the identity's zeros, spreads NaN
+over 64 elements of x.T's layout, where `quantize_fp8` makes one NaN.
 """
 
 from __future__ import annotations
@@ -63,7 +67,10 @@ def quantize_fp8_both_layouts(x: jax.Array, block: tuple[int, int] = ROW_BLOCK
 
   Returns:
     ((values (R, C), scales), (values_t (C, R), scales_t)), float8_e4m3fn
-    values and float32 scales as `quantize_fp8` returns them for x and x.T.
+    values and float32 scales as `quantize_fp8` returns them for x and x.T,
+    bit for bit, but for the sign of some zeros of values_t (a -0 of x
+    comes out +0) and for a non-finite x[r, c], which makes values_t[c2, r]
+    NaN for each c2 of the 64-aligned 64 that hold c, not for c alone.
   """
   block = check_block(block)
   check_quantizable(x)

@@ -22,7 +22,13 @@ from pipelines import (
   quantize_fp8_both_layouts,
 )
 from pipelines import matmul_test_base as base
-from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK, scales_shape
+from pipelines.fp8_quantize import (
+    E4M3_MAX,
+    ROW_BLOCK,
+    SQUARE_BLOCK,
+    block_scales,
+    scales_shape,
+)
 
 # The persistent kernel's three warpgroups wait on each other's barriers, each
 # on a thread of XLA's intra-op pool: a pool of two (a 2-core machine) can
@@ -134,6 +140,24 @@ class QuantizeTest(parameterized.TestCase):
     self.assertAlmostEqual(float(row_scales[3, 0]), 1e4 / E4M3_MAX, places=4)
     self.assertLess(float(row_scales[4, 0]), 1.0)
 
+  def test_block_scales_of_non_finite_blocks(self):
+    """A block whose largest magnitude is NaN gets scale NaN, not 1 (its other
+    elements would be rounded unscaled); inf gets inf: both dequantize to NaN."""
+    scales = np.asarray(block_scales(jnp.array([jnp.nan, jnp.inf, 0.0, E4M3_MAX])))
+    np.testing.assert_array_equal(scales, [np.nan, np.inf, 1.0, 1.0])
+
+  @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
+  def test_a_non_finite_element(self, block):
+    """It dequantizes to NaN, an inf's block whole; no other block changes."""
+    x = testing.random_array(3, (256, 256), jnp.float32)
+    poisoned = x.at[3, 7].set(jnp.nan).at[200, 150].set(jnp.inf)
+    got = np.asarray(dequantize_fp8(*quantize_fp8(poisoned, block), block))
+    want = np.asarray(dequantize_fp8(*quantize_fp8(x, block), block))
+    inf_rows = 200 // block[0] * block[0]
+    self.assertTrue(np.isnan(got[3, 7]))
+    self.assertTrue(np.all(np.isnan(got[inf_rows:inf_rows + block[0], 128:256])))
+    assert_clean_blocks_equal(self, got, want, [(3, 7), (200, 150)], block)
+
   def test_errors(self):
     with self.assertRaisesRegex(ValueError, r"block=\(64, 64\) must be one of"):
       quantize_fp8(jnp.ones((4, 4)), (64, 64))
@@ -151,31 +175,51 @@ class QuantizeTest(parameterized.TestCase):
       dequantize_fp8(values.astype(jnp.bfloat16), scales)
 
 
-def assert_bitwise_equal(test, got, want, what):
-  """The same shape, dtype and values (e4m3 compared through float32)."""
+def assert_clean_blocks_equal(test, got, want, poisoned, block) -> None:
+  """`got` equals `want` in every `block` that holds none of the `poisoned`
+  (row, column) elements (at least one block does)."""
+  clean = np.ones(got.shape, bool)
+  for row, col in poisoned:
+    rows, cols = row // block[0] * block[0], col // block[1] * block[1]
+    clean[rows:rows + block[0], cols:cols + block[1]] = False
+  test.assertTrue(clean.any())
+  np.testing.assert_array_equal(got[clean], want[clean])
+
+
+def assert_bitwise_equal(test, got, want, what, *, zero_sign_may_differ=False):
+  """The same shape, dtype and bits; with `zero_sign_may_differ`, a zero of
+  `want` may be a zero of the other sign in `got`."""
   test.assertEqual((got.shape, got.dtype), (want.shape, want.dtype), what)
-  mismatched = int(np.sum(np.asarray(got.astype(jnp.float32)) !=
-                          np.asarray(want.astype(jnp.float32))))
+  bits = np.dtype(f"uint{jnp.dtype(got.dtype).itemsize * 8}")
+  got_bits, want_bits = np.asarray(got).view(bits), np.asarray(want).view(bits)
+  if zero_sign_may_differ:
+    zero = ((np.asarray(want).astype(np.float32) == 0)
+            & (np.asarray(got).astype(np.float32) == 0))
+    want_bits, got_bits = np.where(zero, 0, want_bits), np.where(zero, 0, got_bits)
+  mismatched = int(np.sum(got_bits != want_bits))
   test.assertEqual(mismatched, 0, f"{what}: {mismatched} elements differ")
 
 
 class QuantizeBothLayoutsTest(testing.KernelTestCase):
-  """`quantize_fp8_both_layouts` is `quantize_fp8` of x and of x.T, bit for bit."""
+  """`quantize_fp8_both_layouts` is `quantize_fp8` of x and of x.T, bit for bit
+  but for the sign of x's zeros in x.T's layout."""
 
-  def check(self, shape, block, dtype):
+  def check(self, shape, block, dtype, x=None):
     # Rows of magnitudes 2**-6 to 2**6 (apart by more than a block's
     # range of e4m3), so a row's or a column's scale taken from the wrong
     # place shows.
-    x = (testing.random_array(11, shape, jnp.float32)
-         * jnp.exp2(jnp.round(testing.random_array(12, (shape[0], 1), jnp.float32) * 3))
-         ).astype(dtype)
+    if x is None:
+      x = (testing.random_array(11, shape, jnp.float32)
+           * jnp.exp2(jnp.round(testing.random_array(12, (shape[0], 1), jnp.float32) * 3))
+           ).astype(dtype)
     (values, scales), (values_t, scales_t) = self.run_kernel(
         functools.partial(quantize_fp8_both_layouts, block=block), x)
     for what, got, want in zip(("values", "scales", "values of x.T", "scales of x.T"),
                                (values, scales, values_t, scales_t),
                                (*quantize_fp8(x, block), *quantize_fp8(x.T, block)),
                                strict=True):
-      assert_bitwise_equal(self, got, want, what)
+      # x.T's values are products of the identity, whose sums of zeros are +0.
+      assert_bitwise_equal(self, got, want, what, zero_sign_may_differ=what == "values of x.T")
 
   @parameterized.product(block=[ROW_BLOCK, SQUARE_BLOCK],
                          shape=[(256, 384), (200, 136)])
@@ -188,6 +232,39 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
     """float16 through the kernel; float32 through `quantize_fp8` twice (the
     tensor cores would round it to tf32)."""
     self.check((128, 256), ROW_BLOCK, dtype)
+
+  @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
+  def test_zeros_and_rounding_ties(self, block):
+    """Signed zeros, whole zero rows and columns (scale 1), and multiples of
+    16 whose quotients by their scales fall on e4m3's rounding ties: the
+    reciprocal's product must round as `quantize_fp8`'s does."""
+    x = np.array(testing.random_array(14, (256, 384), jnp.float32))
+    x = np.round(x * 8) * 16
+    x[::7] = 0.0
+    x[:, ::5] = -0.0
+    self.check(x.shape, block, jnp.bfloat16, x=jnp.asarray(x, jnp.bfloat16))
+
+  @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
+  def test_a_non_finite_element(self, block):
+    """In x's layout as in `quantize_fp8`. In x.T's, the identity's zeros
+    times a non-finite x[r, c] are NaN at (c2, r) for each c2 of the 64
+    columns of x's tile half that holds c: those elements, not (c, r)
+    alone, dequantize to NaN; blocks without one are `quantize_fp8`'s."""
+    x = testing.random_array(15, (256, 384), jnp.bfloat16)
+    poisoned = x.at[3, 70].set(jnp.nan).at[200, 300].set(jnp.inf)
+    (values, scales), (values_t, scales_t) = self.run_kernel(
+        functools.partial(quantize_fp8_both_layouts, block=block), poisoned)
+
+    def dequantized(values, scales):
+      return np.asarray(dequantize_fp8(values, scales, block))
+    got, got_t = dequantized(values, scales), dequantized(values_t, scales_t)
+    self.assertTrue(np.isnan(got[3, 70]) and np.isnan(got[200, 300]))
+    assert_clean_blocks_equal(self, got, dequantized(*quantize_fp8(x, block)),
+                              [(3, 70), (200, 300)], block)
+    spread = [(c, 3) for c in range(64, 128)] + [(c, 200) for c in range(256, 320)]
+    self.assertTrue(all(np.isnan(got_t[index]) for index in spread))
+    assert_clean_blocks_equal(self, got_t, dequantized(*quantize_fp8(x.T, block)), spread,
+                              block)
 
   @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
   def test_lowers_for_the_gpu(self, block):
