@@ -24,7 +24,7 @@ from pipelines.dot_general import dot_general
 from pipelines.epilogue import Epilogue
 from pipelines.fp8 import fp8_linear, fp8_matmul
 from pipelines.fp8_quantize import dequantize_fp8, quantize_fp8
-from pipelines.fp8_quantize_sm90 import quantize_fp8_both_layouts
+from pipelines.fp8_quantize_sm90 import quantize_fp8_both_layouts, quantize_fp8_one_read
 from pipelines.gated_linear_unit import gated_linear_unit
 from pipelines.heuristic import default_config
 from pipelines.kernel_call import (
@@ -47,5 +47,6 @@ __all__ = [
     "fp8_matmul_reference",
     "gated_linear_unit",
     "matmul", "matmul_reference", "pallas_call_matmul", "persistent_kernel", "pipelined_matmul",
-    "quantize_fp8", "quantize_fp8_both_layouts", "ragged_dot", "ws_matmul", "ws_smem_budget",
+    "quantize_fp8", "quantize_fp8_both_layouts", "quantize_fp8_one_read", "ragged_dot",
+    "ws_matmul", "ws_smem_budget",
 ]

@@ -1,4 +1,4 @@
-"""FP8 quantization of a tensor in both of its layouts, from one read (sm_90).
+"""FP8 quantization of a tensor in one or both of its layouts, from one read (sm_90).
 
 An FP8 training step multiplies each of its tensors twice, once as stored and
 once transposed (x in the forward and, as x.T, in the weight gradient), and
@@ -7,7 +7,9 @@ layouts: `quantize_fp8(x)` and `quantize_fp8(x.T)`. XLA needs a pass over x
 for each (the block maxima must be known before the values are divided, and
 the transpose is a pass of its own). A (1, 128) block of x and one of x.T (a
 (128, 1) block of x) both lie within one aligned 128x128 tile, so this kernel
-takes each tile into SMEM once and writes both layouts and their scales:
+takes each tile into SMEM once and writes both layouts and their scales
+(`quantize_fp8_both_layouts`), or one of them (`quantize_fp8_one_read`,
+which spares XLA's second read of x, and its transpose's pass for x.T):
 
   - the tile's rows, read into registers, quantized along their 128 columns;
   - its columns as rows, out of the tensor cores: the 64x64 identity times
@@ -74,60 +76,103 @@ def quantize_fp8_both_layouts(x: jax.Array, block: tuple[int, int] = ROW_BLOCK
   """
   block = check_block(block)
   check_quantizable(x)
-  if jnp.dtype(x.dtype) not in _KERNEL_DTYPES:
+  if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or not x.size:
     return quantize_fp8(x, block), quantize_fp8(x.T, block)
-  return _quantize_both_layouts(x, block)
+  return _quantize_layouts(x, block, as_stored=True, transposed=True)
 
 
-@functools.partial(jax.jit, static_argnames="block")
-def _quantize_both_layouts(x: jax.Array, block: tuple[int, int]):
+def quantize_fp8_one_read(x: jax.Array, block: tuple[int, int] = ROW_BLOCK, *,
+                          transpose: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`quantize_fp8(x.T if transpose else x, block)`, from one read of x.
+
+  XLA's `quantize_fp8` reads its operand twice (the block maxima, then the
+  division), and a transposed operand costs it the transpose's pass as well;
+  this kernel reads each 128x128 tile of x into SMEM once (as
+  `quantize_fp8_both_layouts` does, writing one layout).
+
+  Args:
+    x: (R, C) bfloat16 or float16 (one kernel; R and C padded to multiples of
+      128 where they are not, a copy), or float32 (`quantize_fp8`).
+    block: `ROW_BLOCK` (1, 128) or `SQUARE_BLOCK` (128, 128).
+    transpose: quantize x.T (C, R), e.g. a (K, N) weight for `fp8_matmul`'s
+      (N, K) RHS, without writing x.T first.
+
+  Returns:
+    (values, scales) as `quantize_fp8` returns them, with the exceptions
+    `quantize_fp8_both_layouts` states for x.T's layout where `transpose`.
+  """
+  block = check_block(block)
+  check_quantizable(x)
+  if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or not x.size:
+    return quantize_fp8(x.T if transpose else x, block)
+  (layout,) = _quantize_layouts(x, block, as_stored=not transpose, transposed=transpose)
+  return layout
+
+
+@functools.partial(jax.jit, static_argnames=("block", "as_stored", "transposed"))
+def _quantize_layouts(x: jax.Array, block: tuple[int, int], *, as_stored: bool,
+                      transposed: bool) -> tuple[tuple[jax.Array, jax.Array], ...]:
+  """(values, scales) of x as stored and/or of x.T (in that order), from one
+  kernel over x's 128x128 tiles; x is 16-bit and not empty."""
   rows, cols = x.shape
-  if not (rows and cols):
-    return quantize_fp8(x, block), quantize_fp8(x.T, block)
   padded = zero_pad(x, (round_up(rows, TILE), round_up(cols, TILE)))
   padded_rows, padded_cols = padded.shape
-  out_type = (jax.ShapeDtypeStruct((padded_rows, padded_cols), FP8_DTYPE),
-              jax.ShapeDtypeStruct((padded_cols // TILE, padded_rows), jnp.float32),
-              jax.ShapeDtypeStruct((padded_cols, padded_rows), FP8_DTYPE),
-              jax.ShapeDtypeStruct((padded_rows // TILE, padded_cols), jnp.float32))
-  values, scales_of_rows, values_t, scales_of_columns = varying_kernel(plgpu.kernel(
-      functools.partial(_quantize_tile, square=block == SQUARE_BLOCK),
-      out_type=out_type,
+  # Each tile writes its rows' (its columns') scales as a row of its own.
+  layouts = [((rows, cols), (padded_rows, padded_cols))] if as_stored else []
+  if transposed:
+    layouts.append(((cols, rows), (padded_cols, padded_rows)))
+  out_type = []
+  for _, (out_rows, out_cols) in layouts:
+    out_type += [jax.ShapeDtypeStruct((out_rows, out_cols), FP8_DTYPE),
+                 jax.ShapeDtypeStruct((out_cols // TILE, out_rows), jnp.float32)]
+  written = varying_kernel(plgpu.kernel(
+      functools.partial(_quantize_tile, square=block == SQUARE_BLOCK, as_stored=as_stored,
+                        transposed=transposed),
+      out_type=tuple(out_type),
       grid=(padded_rows // TILE, padded_cols // TILE),
       grid_names=("rows", "columns"),
       compiler_params=compiler_params(),
       interpret=interpret_params(),
-      kernel_name="fp8_quantize_both_layouts",
+      kernel_name=_KERNEL_NAMES[as_stored, transposed],
   ))(padded)
-  # Each block wrote its rows' (its columns') scales as a row: transposed here,
-  # where a square block's scale repeats 128 times.
-  scales, scales_t = scales_of_rows.T, scales_of_columns.T
-  if block == SQUARE_BLOCK:
-    scales, scales_t = scales[::TILE], scales_t[::TILE]
-  scale_rows, scale_cols = scales_shape((rows, cols), block)
-  scale_t_rows, scale_t_cols = scales_shape((cols, rows), block)
-  scales, scales_t = scales[:scale_rows, :scale_cols], scales_t[:scale_t_rows, :scale_t_cols]
-  return (values[:rows, :cols], scales), (values_t[:cols, :rows], scales_t)
+  results = []
+  for ((out_rows, out_cols), _), values, scales_of_rows in zip(
+      layouts, written[::2], written[1::2], strict=True):
+    # Transposed here, where a square block's scale repeats 128 times.
+    scales = scales_of_rows.T[::TILE] if block == SQUARE_BLOCK else scales_of_rows.T
+    scale_rows, scale_cols = scales_shape((out_rows, out_cols), block)
+    results.append((values[:out_rows, :out_cols], scales[:scale_rows, :scale_cols]))
+  return tuple(results)
 
 
-def _quantize_tile(x_gmem, values_gmem, scales_gmem, values_t_gmem, scales_t_gmem, *,
-                   square: bool) -> None:
-  """One 128x128 tile of x (`quantize_fp8_both_layouts`). Writes the tile's
-  values, its rows' scales as row `columns` of scales_gmem (C / 128, R),
-  the transposed tile's values, and its columns' scales as row `rows` of
-  scales_t_gmem (R / 128, C). With `square`, every scale is the tile's."""
+# By the layouts a kernel writes: (as stored, transposed).
+_KERNEL_NAMES = {(True, True): "fp8_quantize_both_layouts", (True, False): "fp8_quantize",
+                 (False, True): "fp8_quantize_transposed"}
+
+
+def _quantize_tile(x_gmem, *out_gmem, square: bool, as_stored: bool, transposed: bool) -> None:
+  """One 128x128 tile of x (`_quantize_layouts`). As stored, it writes the
+  tile's values and its rows' scales as row `columns` of that layout's scales
+  (C / 128, R); transposed, the transposed tile's values and its columns'
+  scales as row `rows` of (R / 128, C). With `square`, every scale is the
+  tile's."""
   tile_rows = pl.ds(lax.axis_index("rows") * TILE, TILE)
   tile_cols = pl.ds(lax.axis_index("columns") * TILE, TILE)
+  out_gmem = iter(out_gmem)
+  values_gmem, scales_gmem = (next(out_gmem), next(out_gmem)) if as_stored else (None, None)
+  values_t_gmem, scales_t_gmem = (next(out_gmem), next(out_gmem)) if transposed else (None, None)
 
-  def scoped(x_smem, eye_smem, values_smem, values_t_smem, scales_smem, scales_t_smem, loaded):
+  def scoped(x_smem, loaded, values_smem=None, scales_smem=None, eye_smem=None,
+             values_t_smem=None, scales_t_smem=None):
     plgpu.copy_gmem_to_smem(x_gmem.at[tile_rows, tile_cols], x_smem, loaded)
-    # The identity is the LHS of the products that read the tile's columns as rows.
-    row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (HALF, HALF), 0),
-                            plgpu.Layout.WGMMA)
-    col = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (HALF, HALF), 1),
-                            plgpu.Layout.WGMMA)
-    eye_smem[...] = jnp.where(row == col, 1.0, 0.0).astype(eye_smem.dtype)
-    plgpu.commit_smem()  # Written from registers, read by the wgmmas.
+    if transposed:
+      # The identity is the LHS of the products that read the tile's columns as rows.
+      row = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (HALF, HALF), 0),
+                              plgpu.Layout.WGMMA)
+      col = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (HALF, HALF), 1),
+                              plgpu.Layout.WGMMA)
+      eye_smem[...] = jnp.where(row == col, 1.0, 0.0).astype(eye_smem.dtype)
+      plgpu.commit_smem()  # Written from registers, read by the wgmmas.
     plgpu.barrier_wait(loaded)
 
     halves = [pl.ds(h * HALF, HALF) for h in range(TILE // HALF)]
@@ -136,16 +181,16 @@ def _quantize_tile(x_gmem, values_gmem, scales_gmem, values_t_gmem, scales_t_gme
       return plgpu.load(x_smem.at[half], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
     def columns_of(half):
-      def transposed(acc_ref):
+      def transposed_half(acc_ref):
         # (64, 64) identity @ (64, 128): the tile's columns `half`, as rows.
         plgpu.wgmma(acc_ref, eye_smem, x_smem.at[:, half].T)
         return acc_ref[...]
-      return pl.run_scoped(transposed, accumulator((HALF, TILE)))
+      return pl.run_scoped(transposed_half, accumulator((HALF, TILE)))
 
     def row_maxima(value):
       return jnp.max(jnp.abs(value), axis=1)
 
-    # With square blocks, one scale for the tile in both layouts: a first pass
+    # With square blocks, one scale for the tile in every layout: a first pass
     # over its rows takes their largest magnitude, and each half is read again.
     tile_max = (functools.reduce(jnp.maximum,
                                  [jnp.max(row_maxima(rows_of(half))) for half in halves])
@@ -155,29 +200,34 @@ def _quantize_tile(x_gmem, values_gmem, scales_gmem, values_t_gmem, scales_t_gme
       return jnp.full((HALF,), tile_max, jnp.float32) if square else row_maxima(value)
     # Half by half, so that at most one half of each layout is in registers.
     for half in halves:
-      value = rows_of(half)
-      _store_quantized(value, block_scales(maxima_of(value)), values_smem.at[half],
-                       scales_smem.at[0, half])
-      value = columns_of(half)
-      _store_quantized(value, block_scales(maxima_of(value)), values_t_smem.at[half],
-                       scales_t_smem.at[0, half])
+      if as_stored:
+        value = rows_of(half)
+        _store_quantized(value, block_scales(maxima_of(value)), values_smem.at[half],
+                         scales_smem.at[0, half])
+      if transposed:
+        value = columns_of(half)
+        _store_quantized(value, block_scales(maxima_of(value)), values_t_smem.at[half],
+                         scales_t_smem.at[0, half])
     plgpu.commit_smem()  # Register stores must be visible to the TMA engine.
-    plgpu.copy_smem_to_gmem(values_smem, values_gmem.at[tile_rows, tile_cols])
-    plgpu.copy_smem_to_gmem(values_t_smem, values_t_gmem.at[tile_cols, tile_rows])
-    plgpu.copy_smem_to_gmem(scales_smem,
-                            scales_gmem.at[pl.ds(lax.axis_index("columns"), 1), tile_rows])
-    plgpu.copy_smem_to_gmem(scales_t_smem,
-                            scales_t_gmem.at[pl.ds(lax.axis_index("rows"), 1), tile_cols])
+    if as_stored:
+      plgpu.copy_smem_to_gmem(values_smem, values_gmem.at[tile_rows, tile_cols])
+      plgpu.copy_smem_to_gmem(scales_smem,
+                              scales_gmem.at[pl.ds(lax.axis_index("columns"), 1), tile_rows])
+    if transposed:
+      plgpu.copy_smem_to_gmem(values_t_smem, values_t_gmem.at[tile_cols, tile_rows])
+      plgpu.copy_smem_to_gmem(scales_t_smem,
+                              scales_t_gmem.at[pl.ds(lax.axis_index("rows"), 1), tile_cols])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  pl.run_scoped(scoped,
-                smem((TILE, TILE), x_gmem.dtype, swizzled=True),
-                smem((HALF, HALF), x_gmem.dtype, swizzled=True),
-                smem((TILE, TILE), FP8_DTYPE, swizzled=True),
-                smem((TILE, TILE), FP8_DTYPE, swizzled=True),
-                plgpu.SMEM((1, TILE), jnp.float32),
-                plgpu.SMEM((1, TILE), jnp.float32),
-                barrier())
+  scratch = dict(x_smem=smem((TILE, TILE), x_gmem.dtype, swizzled=True), loaded=barrier())
+  if as_stored:
+    scratch.update(values_smem=smem((TILE, TILE), FP8_DTYPE, swizzled=True),
+                   scales_smem=plgpu.SMEM((1, TILE), jnp.float32))
+  if transposed:
+    scratch.update(eye_smem=smem((HALF, HALF), x_gmem.dtype, swizzled=True),
+                   values_t_smem=smem((TILE, TILE), FP8_DTYPE, swizzled=True),
+                   scales_t_smem=plgpu.SMEM((1, TILE), jnp.float32))
+  pl.run_scoped(scoped, **scratch)
 
 
 def _store_quantized(value, scales, values_smem, scales_smem) -> None:

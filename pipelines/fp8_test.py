@@ -20,6 +20,7 @@ from pipelines import (
   fp8_matmul_reference,
   quantize_fp8,
   quantize_fp8_both_layouts,
+  quantize_fp8_one_read,
 )
 from pipelines import matmul_test_base as base
 from pipelines.fp8_quantize import (
@@ -201,8 +202,9 @@ def assert_bitwise_equal(test, got, want, what, *, zero_sign_may_differ=False):
 
 
 class QuantizeBothLayoutsTest(testing.KernelTestCase):
-  """`quantize_fp8_both_layouts` is `quantize_fp8` of x and of x.T, bit for bit
-  but for the sign of x's zeros in x.T's layout."""
+  """`quantize_fp8_both_layouts` is `quantize_fp8` of x and of x.T, and
+  `quantize_fp8_one_read` either, bit for bit but for the sign of x's zeros in
+  x.T's layout."""
 
   def check(self, shape, block, dtype, x=None):
     # Rows of magnitudes 2**-6 to 2**6 (apart by more than a block's
@@ -214,9 +216,12 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
            ).astype(dtype)
     (values, scales), (values_t, scales_t) = self.run_kernel(
         functools.partial(quantize_fp8_both_layouts, block=block), x)
-    for what, got, want in zip(("values", "scales", "values of x.T", "scales of x.T"),
-                               (values, scales, values_t, scales_t),
-                               (*quantize_fp8(x, block), *quantize_fp8(x.T, block)),
+    one_read = [self.run_kernel(functools.partial(quantize_fp8_one_read, block=block,
+                                                  transpose=transpose), x)
+                for transpose in (False, True)]
+    for what, got, want in zip(("values", "scales", "values of x.T", "scales of x.T") * 2,
+                               (values, scales, values_t, scales_t, *one_read[0], *one_read[1]),
+                               (*quantize_fp8(x, block), *quantize_fp8(x.T, block)) * 2,
                                strict=True):
       # x.T's values are products of the identity, whose sums of zeros are +0.
       assert_bitwise_equal(self, got, want, what, zero_sign_may_differ=what == "values of x.T")
@@ -271,15 +276,19 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
     """Mosaic GPU's checks (the identity's and the transposed tile's wgmma
     operands, the e4m3 stores, the TMA copies), for CUDA (a CPU lowers too)."""
     x = testing.random_array(13, (256, 384), jnp.bfloat16)
-    text = testing.lowered_for_gpu(
-        functools.partial(quantize_fp8_both_layouts, block=block), x)
-    self.assertEqual(testing.mosaic_kernel_count(text), 1)
+    for quantize in (functools.partial(quantize_fp8_both_layouts, block=block),
+                     functools.partial(quantize_fp8_one_read, block=block),
+                     functools.partial(quantize_fp8_one_read, block=block, transpose=True)):
+      text = testing.lowered_for_gpu(quantize, x)
+      self.assertEqual(testing.mosaic_kernel_count(text), 1)
 
   def test_empty(self):
     (values, scales), (values_t, scales_t) = quantize_fp8_both_layouts(
         jnp.ones((0, 256), jnp.bfloat16))
     self.assertEqual((values.shape, scales.shape, values_t.shape, scales_t.shape),
                      ((0, 256), (0, 2), (256, 0), (256, 0)))
+    values_t, scales_t = quantize_fp8_one_read(jnp.ones((0, 256), jnp.bfloat16), transpose=True)
+    self.assertEqual((values_t.shape, scales_t.shape), ((256, 0), (256, 0)))
 
   def test_errors(self):
     with self.assertRaisesRegex(ValueError, r"block=\(64, 64\) must be one of"):
@@ -288,6 +297,10 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
       quantize_fp8_both_layouts(jnp.ones((2, 4, 4), jnp.bfloat16))
     with self.assertRaisesRegex(ValueError, "x.dtype=int32 must be one of"):
       quantize_fp8_both_layouts(jnp.ones((4, 4), jnp.int32))
+    with self.assertRaisesRegex(ValueError, r"block=\(1, 64\) must be one of"):
+      quantize_fp8_one_read(jnp.ones((4, 4), jnp.bfloat16), (1, 64), transpose=True)
+    with self.assertRaisesRegex(ValueError, "x must be 2-D"):
+      quantize_fp8_one_read(jnp.ones((4,), jnp.bfloat16))
 
 
 class Fp8MatmulTest(testing.KernelTestCase):

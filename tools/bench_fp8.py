@@ -44,6 +44,10 @@ stored and transposed), at the cotangent's shape (M, N) in (1, 128) blocks and
 the weight's (K, N) in (128, 128) blocks, against XLA's `quantize_fp8` of the
 tensor and of its transpose (the baseline of these rows):
   quantize both layouts: ours, one read   `quantize_fp8_both_layouts`
+With `--quantize_one_layout`, an activation (M, K) in (1, 128) blocks and a
+weight (K, N) transposed in (128, 128) blocks (as `fp8_matmul` takes its RHS),
+against XLA's `quantize_fp8` (of w.T for the weight; the baseline of these rows):
+  quantize one layout: ours, one read     `quantize_fp8_one_read`
 
 With `--precision`, it also measures `fp8_matmul`'s error against the float32
 product of the dequantized operands (the same e4m3 values and scales: the
@@ -75,6 +79,7 @@ from pipelines import (
     matmul,
     quantize_fp8,
     quantize_fp8_both_layouts,
+    quantize_fp8_one_read,
 )
 from pipelines.config import FP8_DTYPE
 from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK
@@ -86,6 +91,7 @@ TWO_BLOCK_STEPS = Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)
 TRAIN_BASELINE = "train: jnp.dot (XLA autodiff)"
 QUANTIZED_BASELINE = "quantized output: jnp.dot, then quantize_fp8"
 BOTH_LAYOUTS_BASELINE = "quantize both layouts: XLA, quantize_fp8 of x and x.T"
+ONE_LAYOUT_BASELINE = "quantize one layout: XLA, quantize_fp8"
 
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
                                "Where results go; relative to where the command ran.")
@@ -103,6 +109,10 @@ _BOTH_LAYOUTS = flags.DEFINE_bool(
     "quantize_both_layouts", False,
     "Also time the quantization of a tensor and its transpose (the cotangent's and the "
     "weight's shapes).")
+_ONE_LAYOUT = flags.DEFINE_bool(
+    "quantize_one_layout", False,
+    "Also time the quantization of an activation (M, K) and of a weight (K, N) as the "
+    "transposed RHS fp8_matmul takes.")
 _PRECISION = flags.DEFINE_bool("precision", False,
                                "Also measure the kernels' error at each K of --precision_k.")
 _PRECISION_K = flags.DEFINE_list("precision_k", ["128", "1024", "4096", "16384"],
@@ -200,9 +210,29 @@ def both_layouts_implementations(block: tuple[int, int]) -> dict:
   }
 
 
+def one_layout_implementations(block: tuple[int, int], transpose: bool) -> dict:
+  """{name: fn(a)}: `a` (or a.T, with `transpose`) quantized in `block`s."""
+  return {
+      ONE_LAYOUT_BASELINE: lambda a: quantize_fp8(a.T if transpose else a, block),
+      "quantize one layout: ours, one read": functools.partial(
+          quantize_fp8_one_read, block=block, transpose=transpose),
+  }
+
+
+def quantization_records(impls: dict, baseline: str, tensor: jax.Array, shape: str, *,
+                         iterations: int, rounds: int) -> list[dict]:
+  """Records of `impls` (`both_layouts_implementations` or
+  `one_layout_implementations`) quantizing `tensor`, against `baseline`'s
+  output. No FLOPs: their TFLOP/s are not meaningful, their times and ratios are."""
+  return [dict(r, dtype="float8_e4m3fn", shape=shape, layout="NN")
+          for r in timing.time_in_rounds(
+              impls, (tensor,), flops=tensor.size, baseline=baseline,
+              reference=impls[baseline](tensor), iterations=iterations, rounds=rounds).values()]
+
+
 def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
                   rounds: int, quantized_output: bool = False,
-                  both_layouts: bool = False) -> list[dict]:
+                  both_layouts: bool = False, one_layout: bool = False) -> list[dict]:
   x, w = cli.random_operands(m, k, n, jnp.bfloat16)
   shape = dict(shape=f"{m}x{k}x{n}", layout="NN")
   impls, operands = forward_implementations(x, w)
@@ -217,15 +247,17 @@ def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
         baseline=QUANTIZED_BASELINE, reference=quantize_fp8(exact, ROW_BLOCK),
         iterations=iterations, rounds=rounds).values()]
   if both_layouts:
-    # No FLOPs: the records' TFLOP/s are not meaningful, their times and ratios are.
     for name, tensor, block in (("cotangent", cli.random_operands(m, n, 1, jnp.bfloat16)[0],
                                  ROW_BLOCK), ("weight", w, SQUARE_BLOCK)):
-      impls = both_layouts_implementations(block)
-      reference = impls[BOTH_LAYOUTS_BASELINE](tensor)
-      records += [dict(r, dtype="float8_e4m3fn", shape=f"{m}x{k}x{n} ({name})", layout="NN")
-                  for r in timing.time_in_rounds(
-                      impls, (tensor,), flops=tensor.size, baseline=BOTH_LAYOUTS_BASELINE,
-                      reference=reference, iterations=iterations, rounds=rounds).values()]
+      records += quantization_records(
+          both_layouts_implementations(block), BOTH_LAYOUTS_BASELINE, tensor,
+          f"{m}x{k}x{n} ({name})", iterations=iterations, rounds=rounds)
+  if one_layout:
+    for name, tensor, block, transpose in (("activation", x, ROW_BLOCK, False),
+                                           ("weight, transposed", w, SQUARE_BLOCK, True)):
+      records += quantization_records(
+          one_layout_implementations(block, transpose), ONE_LAYOUT_BASELINE, tensor,
+          f"{m}x{k}x{n} ({name})", iterations=iterations, rounds=rounds)
   if train:
     cotangent = jax.random.normal(jax.random.key(2), (m, n), jnp.float32).astype(jnp.bfloat16)
     exact_grads = jax.vjp(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST),
@@ -302,7 +334,8 @@ def main(argv):
   for m, k, n in problems:
     records += bench_problem(m, k, n, train=_TRAIN.value, iterations=_ITERATIONS.value,
                              rounds=_ROUNDS.value, quantized_output=_QUANTIZED_OUTPUT.value,
-                             both_layouts=_BOTH_LAYOUTS.value)
+                             both_layouts=_BOTH_LAYOUTS.value,
+                             one_layout=_ONE_LAYOUT.value)
     report.write_json(path, records)  # After each problem, so a stopped run keeps them.
   if _PRECISION.value:
     records += precision_records([int(k) for k in _PRECISION_K.value])

@@ -60,6 +60,19 @@ class ImplementationsTest(testing.KernelTestCase):
         self.assertEqual(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))),
                          0.0, name)
 
+  @parameterized.product(block=[ROW_BLOCK, SQUARE_BLOCK], transpose=[False, True])
+  def test_one_layout_as_xla_quantizes_it(self, block, transpose):
+    a = testing.random_array(11, (256, 384), jnp.bfloat16)
+    impls = bench.one_layout_implementations(block, transpose)
+    self.assertLen(impls, 2)
+    want = impls[bench.ONE_LAYOUT_BASELINE](a)
+    for name, fn in impls.items():
+      got = self.run_kernel(jax.jit(fn), a)
+      for g, w in zip(got, want, strict=True):
+        self.assertEqual(g.shape, w.shape, name)
+        self.assertEqual(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))),
+                         0.0, name)
+
   def test_each_quantized_output_is_the_quantized_product(self):
     """(values, scales) in (1, 128) blocks of x @ w: each dequantized within
     e4m3's rounding of the product."""
