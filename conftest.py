@@ -4,14 +4,23 @@ The tests are absltest programs. absltest parses its flags in absltest.main(), w
 never calls; mark them parsed so that test helpers reading absl flags (create_tempdir,
 FLAGS.test_srcdir, ...) work under pytest too.
 
-`--shard=I/N` keeps every N-th collected case, starting at the I-th (0-based): the GPU
+`--shard=I/N` keeps the I-th (0-based) of N shards of the collected cases: the GPU
 runner (`tools/gpu_tests.py`) splits a slow test file over N processes with it. Cases are
-dealt out in collection order, so each shard gets a share of every parameterized test.
+dealt out in collection order, so each shard gets a share of every parameterized test;
+with `--shard_times=FILE` (the runner's record of each case's time, `case_s`), the longest
+first, each to the shard with the least time so far, so that the shards take about the
+same time (dealt in turn, one shard of a file once took 3.7 times another).
 """
+
+import json
+import statistics
 
 from absl import flags
 
 SHARD_OPTION = "--shard"
+SHARD_TIMES_OPTION = "--shard_times"
+# What a case counts for where no case of its file has a recorded time.
+UNRECORDED_CASE_S = 1.0
 
 
 def pytest_addoption(parser):
@@ -19,7 +28,13 @@ def pytest_addoption(parser):
         SHARD_OPTION,
         default=None,
         metavar="I/N",
-        help="run only the collected cases I, I+N, I+2N, ... (0 <= I < N)",
+        help="run only the I-th of N shards of the collected cases (0 <= I < N)",
+    )
+    parser.addoption(
+        SHARD_TIMES_OPTION,
+        default=None,
+        metavar="FILE",
+        help="with --shard, balance the shards by the case times of FILE (JSON, 'case_s')",
     )
 
 
@@ -42,10 +57,41 @@ def pytest_configure(config):
         flags.FLAGS.mark_as_parsed()
 
 
+def case_id(nodeid: str) -> str:
+    """A pytest node ID as the runner's JUnit records name it:
+    "pipelines/a_test.py::T::test_x" -> "pipelines.a_test.T.test_x"."""
+    path, *names = nodeid.split("::")
+    return ".".join([path.removesuffix(".py").replace("/", "."), *names])
+
+
+def deal_by_times(ids: list[str], times: dict[str, float], count: int) -> list[int]:
+    """The shard of each case of `ids`: the longest first (by `times`; a case
+    not in it counts as the median of those that are), each to the shard with
+    the least time so far; ties go to the earlier case and the lower shard."""
+    known = [times[i] for i in ids if i in times]
+    default = statistics.median(known) if known else UNRECORDED_CASE_S
+    seconds = [times.get(i, default) for i in ids]
+    loads = [0.0] * count
+    shards = [0] * len(ids)
+    for case in sorted(range(len(ids)), key=lambda case: (-seconds[case], case)):
+        shard = min(range(count), key=lambda shard: (loads[shard], shard))
+        shards[case] = shard
+        loads[shard] += seconds[case]
+    return shards
+
+
 def pytest_collection_modifyitems(config, items):
     text = config.getoption(SHARD_OPTION)
     if not text:
         return
     index, count = parse_shard(text)
-    config.hook.pytest_deselected(items=[x for i, x in enumerate(items) if i % count != index])
-    items[:] = items[index::count]
+    times_path = config.getoption(SHARD_TIMES_OPTION)
+    if times_path:
+        with open(times_path) as f:
+            times = json.load(f).get("case_s", {})
+        shards = deal_by_times([case_id(item.nodeid) for item in items], times, count)
+    else:
+        shards = [i % count for i in range(len(items))]
+    config.hook.pytest_deselected(
+        items=[item for item, shard in zip(items, shards, strict=True) if shard != index])
+    items[:] = [item for item, shard in zip(items, shards, strict=True) if shard == index]

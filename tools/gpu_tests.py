@@ -6,7 +6,8 @@ leaves all but one core idle. This runner starts up to `--jobs` pytest processes
 each on one test file or on a shard of its cases (`conftest.py`'s `--shard=I/N`). How many
 shards a file gets, and which jobs start first, come from the per-file times of its cases in
 a recorded run (`TIMES_FILE`, rewritten with `--record_times`): longest first, so the
-slowest file does not start last.
+slowest file does not start last. The shards of a file are dealt by the recorded time of
+each case (`--shard_times`), so that they take about the same time.
 
 Every case that ran before still runs; a case that needs more GPUs than the host has skips
 and says why. The run fails if any case fails or errors, or if a job outlives
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import heapq
 import json
 import math
 import os
@@ -40,10 +42,15 @@ PACKAGES = ("core", "pipelines", "collectives", "tools", "examples")
 # Per-file sums of the case times (seconds) of a recorded run on one H200 with 16 jobs at
 # once: what the file's cases take, however many shards ran them.
 TIMES_FILE = ROOT / "tools" / "gpu_test_times.json"
-# A file is split into shards of about this many seconds of its recorded case time; the
-# imports and collection each process repeats (about 10-20 s on a full machine) make much
-# smaller shards waste time.
-SHARD_TARGET_S = 70.0
+# A file is split into shards of about one of these many seconds of its recorded case
+# time, whichever the plan expects to end first: each process repeats the imports, the GPU
+# client and the collection (`JOB_START_S`), so small shards waste time, and large ones
+# can leave a few slots running long after the others. Replayed from the case times of
+# the run of 2026-12-05 (16 at once), one fixed size gave from 464 to 578 s across
+# 70-200 s shards: which size packs best depends on the files' times.
+SHARD_TARGETS_S = (60.0, 80.0, 100.0, 125.0, 150.0, 175.0, 200.0, 250.0)
+# A process's start before its first case (4-13 s, median 9, on 2026-12-05).
+JOB_START_S = 9.0
 # What a file missing from TIMES_FILE is assumed to take.
 UNRECORDED_FILE_S = 30.0
 # pytest's exit codes that are not failures: all passed (or skipped); a shard that
@@ -92,17 +99,41 @@ def test_files(paths: list[str]) -> list[str]:
 
 
 def recorded_times() -> dict[str, float]:
+  """Each test file's recorded case time (seconds), by path."""
   if not TIMES_FILE.exists():
     return {}
   return json.loads(TIMES_FILE.read_text())["file_case_s"]
 
 
-def plan(files: list[str], times: dict[str, float]) -> list[Job]:
-  """Jobs for `files`, split by their recorded times, the longest first."""
+def has_case_times() -> bool:
+  """Whether `TIMES_FILE` records each case's time, for `--shard_times`."""
+  return TIMES_FILE.exists() and bool(json.loads(TIMES_FILE.read_text()).get("case_s"))
+
+
+def plan(files: list[str], times: dict[str, float], slots: int) -> list[Job]:
+  """Jobs for `files` on `slots` processes at once, the longest first: split
+  into the shard size of `SHARD_TARGETS_S` that `expected_wall_s` gives the
+  earliest end (the fewest jobs of equal ends)."""
+  return min((split_files(files, times, target) for target in SHARD_TARGETS_S),
+             key=lambda jobs: (expected_wall_s(jobs, slots), len(jobs)))
+
+
+def expected_wall_s(jobs: list[Job], slots: int) -> float:
+  """When `jobs` end, started in order, each on the first free of `slots`
+  processes, each taking its expected time and `JOB_START_S`."""
+  ends = [0.0] * slots
+  for job in jobs:
+    heapq.heapreplace(ends, ends[0] + job.expected_s + JOB_START_S)
+  return max(ends)
+
+
+def split_files(files: list[str], times: dict[str, float], target_s: float) -> list[Job]:
+  """Jobs for `files`, each split into shards of about `target_s` of its
+  recorded time, the longest first."""
   jobs = []
   for path in files:
     seconds = times.get(path, UNRECORDED_FILE_S)
-    shards = max(1, math.ceil(seconds / SHARD_TARGET_S))
+    shards = max(1, math.ceil(seconds / target_s))
     jobs.extend(Job(path, i, shards, seconds / shards) for i in range(shards))
   return sorted(jobs, key=lambda job: (-job.expected_s, job.name))
 
@@ -133,12 +164,14 @@ def parse_junit(path: Path) -> tuple[dict[str, int], list[dict]]:
 
 
 def run_job(job: Job, *, python: str, out_dir: Path, env: dict[str, str],
-            pytest_args: list[str], timeout_s: float) -> JobResult:
+            pytest_args: list[str], timeout_s: float, shard_times: Path | None) -> JobResult:
   log_path, junit_path = out_dir / f"{job.name}.log", out_dir / f"{job.name}.xml"
   command = [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
              "-o", "python_files=*_test.py", f"--junitxml={junit_path}", job.path, *pytest_args]
   if job.shards > 1:
     command.append(f"--shard={job.shard}/{job.shards}")
+    if shard_times is not None:
+      command.append(f"--shard_times={shard_times}")
   start = time.monotonic()
   timed_out = False
   with open(log_path, "w") as log:
@@ -199,16 +232,19 @@ def main(argv: list[str] | None = None) -> int:
   files = test_files(args.paths)
   if not files:
     parser.error(f"no *_test.py files under {args.paths}")
-  jobs = plan(files, recorded_times())
+  jobs = plan(files, recorded_times(), args.jobs)
   env = job_env({"MGPU_TEST_BACKEND": "gpu", "PYTHONUNBUFFERED": "1",
                  # Many processes share each GPU: each takes memory as it needs it.
                  "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-  print(f"{len(files)} test files in {len(jobs)} jobs, {args.jobs} at a time", flush=True)
+  shard_times = TIMES_FILE if has_case_times() else None
+  print(f"{len(files)} test files in {len(jobs)} jobs, {args.jobs} at a time; expected to "
+        f"end after {expected_wall_s(jobs, args.jobs):.0f} s", flush=True)
   start = time.monotonic()
   results = []
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
     futures = [pool.submit(run_job, job, python=args.python, out_dir=out_dir, env=env,
-                           pytest_args=pytest_args, timeout_s=args.job_timeout_s)
+                           pytest_args=pytest_args, timeout_s=args.job_timeout_s,
+                           shard_times=shard_times)
                for job in jobs]
     for future in concurrent.futures.as_completed(futures):
       result = future.result()
@@ -226,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
   (out_dir.parent / "gpu_tests.json").write_text(json.dumps(record, indent=1))
   if args.record_times:
     measured = (f"{time.strftime('%Y-%m-%d')}, {args.jobs} jobs at once, "
-                "tools/gpu_check.sh tests (sum of each file's case times)")
-    TIMES_FILE.write_text(json.dumps({"measured": measured, "file_case_s": record["file_case_s"]},
+                "tools/gpu_check.sh tests (each file's and each case's time)")
+    case_s = {case["id"]: case["time_s"] for r in results for case in r.cases}
+    TIMES_FILE.write_text(json.dumps({"measured": measured, "file_case_s": record["file_case_s"],
+                                      "case_s": dict(sorted(case_s.items()))},
                                      indent=1) + "\n")
   print(summary_table(results, wall_s, args.jobs))
   for r in results:
