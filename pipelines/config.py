@@ -141,7 +141,8 @@ class Fp8Config:
       holds two blocks, so `max_concurrent_steps` = 2 takes the SMEM of 4
       one-block slots. On an H100 at 8192x4096x14336 it ran 1.006x the
       default, within the noise (docs/performance-log.md, "The FP8
-      quantization kernels and two-block steps on a GPU").
+      quantization kernels, two-block steps and the N <= 16 tile rule on a
+      GPU").
   """
 
   TILE_M: ClassVar[int] = WGMMA_M
