@@ -45,7 +45,13 @@ from pipelines.config import (
   TuningConfig,
   operand_swizzle,
 )
-from pipelines.epilogue import Epilogue, epilogue_scratch, output_swizzle, store_epilogue
+from pipelines.epilogue import (
+  Epilogue,
+  column_vector_row,
+  epilogue_scratch,
+  output_swizzle,
+  store_epilogue,
+)
 from pipelines.group_schedule import ROW_ALIGNMENT, GroupRows, GroupTiles
 from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import (
@@ -463,10 +469,11 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
         if bias_gmem is not None:
           # Start the bias load now; it lands while the K loop runs.
           plgpu.copy_gmem_to_smem(bias_gmem.at[cta_n_slice].at[wg_n_slice],
-                                  bias_smem.at[wg], bias_loaded.at[wg])
+                                  column_vector_row(bias_smem, wg, config), bias_loaded.at[wg])
         if column_scales_gmem is not None:
           plgpu.copy_gmem_to_smem(column_scales_gmem.at[cta_n_slice].at[wg_n_slice],
-                                  column_scales_smem.at[wg], column_scales_loaded.at[wg])
+                                  column_vector_row(column_scales_smem, wg, config),
+                                  column_scales_loaded.at[wg])
 
         # One accumulator per RHS tile of the warpgroup's columns, per RHS.
         @functools.partial(pl.run_scoped, acc_refs=[

@@ -187,12 +187,12 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
   `out_smem`: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) staging
   tiles of `out_dtype`, swizzled (`swizzle` bytes, `output_swizzle`; by
   default the widest a row allows); with `has_bias` also `bias_smem`
-  (2, tile_n) of `BIAS_DTYPE` and `bias_loaded`, one barrier per compute warpgroup for the
-  copy of its tile's bias into `bias_smem`; with `has_column_scales`
-  likewise `column_scales_smem` and `column_scales_loaded`; with `partial_rows` also
-  `rows_smem`, (2, epi_tile_m, `partial_rows_width`) plain (unswizzled) staging tiles
-  for the sub-tiles of which only some rows are stored (`store_epilogue`'s
-  `row_range`). With an e4m3 `out_dtype` (the output quantized in the
+  (2, `column_vector_width`) of `BIAS_DTYPE` and `bias_loaded`, one barrier per compute
+  warpgroup for the copy of its tile's bias into `bias_smem` (`column_vector_row`);
+  with `has_column_scales` likewise `column_scales_smem` and `column_scales_loaded`;
+  with `partial_rows` also `rows_smem`, (2, epi_tile_m, `partial_rows_width`) plain
+  (unswizzled) staging tiles for the sub-tiles of which only some rows are stored
+  (`store_epilogue`'s `row_range`). With an e4m3 `out_dtype` (the output quantized in the
   epilogue, `store_epilogue`'s `wg_out_scales`) also `out_scales_smem`, (2,
   config.epilogue_slots, 1, epi_tile_m) float32 staging rows of each
   sub-tile's scales.
@@ -202,11 +202,12 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
   if jnp.dtype(out_dtype) == FP8_DTYPE:
     scratch["out_scales_smem"] = smem((NUM_COMPUTE_WGS, config.epilogue_slots, 1,
                                        config.epi_tile_m), jnp.float32)
+  vector_shape = (NUM_COMPUTE_WGS, column_vector_width(config))
   if has_bias:
-    scratch["bias_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), BIAS_DTYPE)
+    scratch["bias_smem"] = smem(vector_shape, BIAS_DTYPE)
     scratch["bias_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
   if has_column_scales:
-    scratch["column_scales_smem"] = smem((NUM_COMPUTE_WGS, config.tile_n), jnp.float32)
+    scratch["column_scales_smem"] = smem(vector_shape, jnp.float32)
     scratch["column_scales_loaded"] = barrier(num_barriers=NUM_COMPUTE_WGS)
   if partial_rows:
     scratch["rows_smem"] = smem((NUM_COMPUTE_WGS, config.epi_tile_m,
@@ -214,15 +215,34 @@ def epilogue_scratch(config, out_dtype, *, has_bias: bool, swizzle: int | None =
   return scratch
 
 
+# Where the SMEM side of a TMA copy must start: on a multiple of this many
+# bytes. An SMEM ref that several copies fill or read by rows needs rows of a
+# multiple of it (rows of 64 bytes fault with a misaligned address on the GPU;
+# the interpreter does not check it).
+TMA_SMEM_ALIGNMENT_BYTES = 128
 # The bytes of a row of `rows_smem`: the partial sub-tiles go out in column
 # chunks this wide. A whole epilogue tile (256 bytes a row for a 16-bit
 # 64x128 one) would take 8 KiB more SMEM per warpgroup, which a grouped
 # 128x256 tile needs for its third pipeline stage; the chunks cost only the
-# rare sub-tiles at a group's edges a few more waits. Not narrower: a TMA
-# copy's SMEM source must start on 128 bytes, and the ladder's boxes start
-# at any row (64-byte rows fault with a misaligned address on the GPU; the
-# interpreter does not check it).
-PARTIAL_ROWS_BYTES = 128
+# rare sub-tiles at a group's edges a few more waits. Not narrower: the
+# ladder's boxes start at any row.
+PARTIAL_ROWS_BYTES = TMA_SMEM_ALIGNMENT_BYTES
+
+
+def column_vector_width(config) -> int:
+  """The columns of each warpgroup's row of `bias_smem` and
+  `column_scales_smem` (float32): `config.tile_n`, rounded up to whole
+  `TMA_SMEM_ALIGNMENT_BYTES`, so that the second warpgroup's row, which a TMA
+  copy fills, starts on them. With 16-column tiles the rows of 64 bytes
+  faulted with a misaligned address on an H100."""
+  per_row = TMA_SMEM_ALIGNMENT_BYTES // jnp.dtype(jnp.float32).itemsize
+  return -(-config.tile_n // per_row) * per_row
+
+
+def column_vector_row(vector_smem, wg, config):
+  """Warpgroup `wg`'s `config.tile_n` columns of `bias_smem` or
+  `column_scales_smem` (`column_vector_width`), the destination of its copy."""
+  return vector_smem.at[wg, pl.ds(0, config.tile_n)]
 
 
 def partial_rows_width(config, out_dtype) -> int:

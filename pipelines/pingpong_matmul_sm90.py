@@ -30,7 +30,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core import accumulator, barrier, smem
 from pipelines.config import NUM_COMPUTE_WGS, TuningConfig, operand_swizzle
-from pipelines.epilogue import Epilogue, epilogue_scratch, output_swizzle, store_epilogue
+from pipelines.epilogue import (
+  Epilogue,
+  column_vector_row,
+  epilogue_scratch,
+  output_swizzle,
+  store_epilogue,
+)
 from pipelines.operands import NN, OperandLayout
 from pipelines.persistent_sm90 import (
     MEMORY_WG_REGISTERS,
@@ -181,8 +187,8 @@ def emit_pingpong_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *, config
           n_slice = pl.ds(n_tile * tile_n, tile_n)
           if bias_gmem is not None:
             # Lands while the K loop runs.
-            plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice], bias_smem.at[wg],
-                                    bias_loaded.at[wg])
+            plgpu.copy_gmem_to_smem(bias_gmem.at[n_slice],
+                                    column_vector_row(bias_smem, wg, config), bias_loaded.at[wg])
 
           @functools.partial(pl.run_scoped, acc_ref=accumulator((tile_m, tile_n)))
           def _acc_scope(acc_ref):

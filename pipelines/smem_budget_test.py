@@ -20,6 +20,7 @@ from pipelines import (
     ws_matmul,
     ws_smem_budget,
 )
+from pipelines.epilogue import TMA_SMEM_ALIGNMENT_BYTES, epilogue_scratch
 from pipelines.operands import MatmulProblem, OperandLayout
 from pipelines.pallas_call_matmul import DEFAULT_CONFIG as PALLAS_CALL_DEFAULT
 
@@ -60,6 +61,9 @@ class SmemModelTest(parameterized.TestCase):
                     max_concurrent_steps=4), False, jnp.float8_e4m3fn),
       (TuningConfig(tile_m=64, tile_n=128, wg_dimension=MatmulDimension.M, epi_tile_n=128,
                     max_concurrent_steps=6), True, jnp.float8_e4m3fn),
+      # 16-column tiles with a bias: each warpgroup's bias row padded to 128 bytes.
+      (TuningConfig(tile_m=64, tile_n=16, epi_tile_n=16, wg_dimension=MatmulDimension.M,
+                    max_concurrent_steps=3), True, jnp.bfloat16),
   )
   def test_warp_specialized(self, config, has_bias, out_dtype):
     epilogue = Epilogue(activation="gelu", has_bias=has_bias)
@@ -69,6 +73,19 @@ class SmemModelTest(parameterized.TestCase):
     problem = MatmulProblem(m=1024, k=4096, n=2048, dtype=jnp.dtype(jnp.bfloat16))
     self.assertEqual(testing.mosaic_smem_bytes(fn, *args),
                      ws_smem_budget(config, problem, out_dtype, has_bias=has_bias).total_bytes)
+
+  @parameterized.parameters(16, 48, 64, 256)
+  def test_column_vector_rows_start_where_a_tma_copy_can(self, tile_n):
+    """Each warpgroup's row of the bias (and column scales) is the destination
+    of a TMA copy, which must start on 128 bytes: 16-column tiles' rows of 64
+    bytes faulted with a misaligned address on an H100."""
+    config = TuningConfig(tile_m=64, tile_n=tile_n, epi_tile_n=min(tile_n, 64),
+                          wg_dimension=MatmulDimension.M)
+    scratch = epilogue_scratch(config, jnp.bfloat16, has_bias=True, has_column_scales=True)
+    for name in ("bias_smem", "column_scales_smem"):
+      rows, width = scratch[name].shape
+      self.assertEqual((width * 4) % TMA_SMEM_ALIGNMENT_BYTES, 0, name)
+      self.assertGreaterEqual(width, tile_n, name)
 
   @parameterized.product(
       config=[TuningConfig(tile_m=64, tile_n=256, max_concurrent_steps=3,
