@@ -8,7 +8,7 @@ kernel call), `*_sm90.py` (the kernel bodies), `config.py`, `operands.py`,
 `gated_linear_unit.py` (the fused gated unit of transformer MLPs);
 `ragged_dot.py` and `group_schedule.py` (the grouped matmul of
 mixture-of-experts layers); `fp8.py`, `fp8_quantize.py`,
-`fp8_quantize_sm90.py` (both layouts of a tensor quantized from one read) and
+`fp8_quantize_sm90.py` (a tensor quantized in one or both layouts from one read) and
 `fp8_matmul_sm90.py` (the block-scaled FP8 matmul).
 
 The hook contract for kernels built on the cooperative body (the ring

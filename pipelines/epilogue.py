@@ -23,6 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from core import barrier, smem, tma_swizzle
 from pipelines.config import FP8_DTYPE, FP8_SCALE_BLOCK, NUM_COMPUTE_WGS
 from pipelines.fp8_quantize import block_scales
+from pipelines.operands import round_up
 
 ACTIVATIONS = ("none", "relu", "gelu", "silu")
 # The bias reaches the kernel and the split-K sum in float32, whatever its
@@ -235,8 +236,7 @@ def column_vector_width(config) -> int:
   `TMA_SMEM_ALIGNMENT_BYTES`, so that the second warpgroup's row, which a TMA
   copy fills, starts on them. With 16-column tiles the rows of 64 bytes
   faulted with a misaligned address on an H100."""
-  per_row = TMA_SMEM_ALIGNMENT_BYTES // jnp.dtype(jnp.float32).itemsize
-  return -(-config.tile_n // per_row) * per_row
+  return round_up(config.tile_n, TMA_SMEM_ALIGNMENT_BYTES // jnp.dtype(jnp.float32).itemsize)
 
 
 def column_vector_row(vector_smem, wg, config):
