@@ -74,6 +74,18 @@ class CooperativeMatmulTest(base.MatmulTestBase):
                config_fields=dict(tile_n=256, epi_tile_n=64, wg_dimension=MatmulDimension.N),
                epilogue=Epilogue(activation="silu", has_bias=True))
 
+  @parameterized.product(layout=(base.LAYOUTS[1], base.LAYOUTS[3]), k_splits=(1, 2))
+  def test_sixteen_column_tiles_over_a_transposed_rhs(self, layout, k_splits):
+    """The heuristic's tile for outputs at most 16 columns wide with an (N, K)
+    RHS: 128x16 CTA tiles (two 64x16 warpgroup tiles along M), an N of 8
+    under the 16-column tile, ragged M, 3 K steps, unsplit and in 2 ranges,
+    the bias and activation applied after the ranges' sum; each warpgroup's
+    16-float bias row starts 128 bytes past the last one's."""
+    self.check((200, 192, 8), jnp.bfloat16, seed=59, layout=layout, num_blocks=2,
+               config_fields=dict(tile_n=16, epi_tile_n=16, wg_dimension=MatmulDimension.M,
+                                  k_splits=k_splits),
+               epilogue=Epilogue(activation="gelu", has_bias=True))
+
   @parameterized.parameters(
       # (M x K x N, layout, config fields, blocks): 4 M tiles in 2 pairs, 2
       # tiles along N, on 2 clusters, each walking two pairs.
