@@ -25,10 +25,10 @@ from pipelines.epilogue import Epilogue, checked_bias
 from pipelines.fp8_quantize import (
     ROW_BLOCK,
     SQUARE_BLOCK,
-    quantize_fp8,
     rhs_scales_block,
     scales_shape,
 )
+from pipelines.fp8_quantize_sm90 import quantize_fp8_both_layouts, quantize_fp8_one_read
 
 # With one scale per operand the whole K sum can stay in the tensor cores, so
 # the product runs on `matmul`'s persistent warp-specialized kernel, scaled in
@@ -156,10 +156,11 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
   both in (1, 128) blocks along M: each column of g (an output feature)
   gets scales of its own, as each row of x.T does, since a cotangent's
   columns can differ by orders of magnitude, which one scale per 128 of
-  them would flush to zero. Each quantization is `quantize_fp8` (XLA reads
-  its operand once for the block maxima and once to divide and round, the
-  transposes in that pass); the products run on `fp8_matmul`. d bias is g's
-  column sum in float32.
+  them would flush to zero. Each of x, w and g is read once for both of
+  its layouts (`quantize_fp8_both_layouts`; outside `jax.grad`, the forward
+  takes the one layout it needs, `quantize_fp8_one_read`), and the backward
+  keeps x.T and w quantized, in e4m3, from the forward. The products run on
+  `fp8_matmul`. d bias is g's column sum in float32.
 
   Args:
     x: (..., K) bfloat16 or float16; leading dimensions are rows (M), as a
@@ -186,28 +187,36 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
 
 @functools.cache
 def _make_fp8_linear(config: Fp8Config, has_bias: bool):
-  def product(lhs_rows, rhs_rows, out_dtype, bias=None, rhs_block=SQUARE_BLOCK):
-    """lhs_rows @ rhs_rows.T (+ bias), each quantized along its rows (the
-    contraction): the LHS in (1, 128) blocks, the RHS in `rhs_block`s."""
-    lhs, lhs_scales = quantize_fp8(lhs_rows, ROW_BLOCK)
-    rhs, rhs_scales = quantize_fp8(rhs_rows, rhs_block)
-    return fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, bias, out_dtype=out_dtype,
-                      config=config)
+  def product(lhs, rhs, out_dtype, bias=None):
+    """lhs @ rhs.T (+ bias) of two (values, scales) pairs quantized along
+    their rows (the contraction), the LHS in (1, 128) blocks."""
+    (lhs_values, lhs_scales), (rhs_values, rhs_scales) = lhs, rhs
+    return fp8_matmul(lhs_values, rhs_values, lhs_scales, rhs_scales, bias,
+                      out_dtype=out_dtype, config=config)
 
   @jax.custom_vjp
   def linear(x, w, *bias):
-    return product(x, w.T, x.dtype, *bias)
+    return product(quantize_fp8_one_read(x, ROW_BLOCK),
+                   quantize_fp8_one_read(w, SQUARE_BLOCK, transpose=True), x.dtype, *bias)
 
   def forward(x, w, *bias):
-    return linear(x, w, *bias), (x, w, bias)
+    # Each operand is read once for both of its layouts: the forward's, and
+    # the one its backward product takes (x.T for d w, w as stored for d x),
+    # which is kept in e4m3 (half the bytes of keeping x and w).
+    x_rows, x_columns = quantize_fp8_both_layouts(x, ROW_BLOCK)
+    w_rows, w_columns = quantize_fp8_both_layouts(w, SQUARE_BLOCK)
+    return product(x_rows, w_columns, x.dtype, *bias), (x_columns, w_rows, bias)
 
   def backward(residuals, g):
-    x, w, bias = residuals
-    d_x = product(g, w, x.dtype)
-    d_w = product(x.T, g.T, w.dtype, rhs_block=ROW_BLOCK)
+    x_columns, w_rows, bias = residuals
+    g_rows, g_columns = quantize_fp8_both_layouts(g, ROW_BLOCK)
+    d_x = product(g_rows, w_rows, g.dtype)
+    d_w = product(x_columns, g_columns, g.dtype)
     d_bias = tuple(jnp.sum(g.astype(jnp.float32), axis=0).astype(b.dtype) for b in bias)
-    return tuple(cotangent_like(ct, primal)
-                 for ct, primal in zip((d_x, d_w, *d_bias), (x, w, *bias), strict=True))
+    # x and w share g's dtype (`operands.check_operands`); the quantized
+    # layouts vary over the mesh axes their primals do.
+    return tuple(cotangent_like(ct, primal) for ct, primal
+                 in zip((d_x, d_w, *d_bias), (x_columns[0], w_rows[0], *bias), strict=True))
 
   linear.defvjp(forward, backward)
   return linear

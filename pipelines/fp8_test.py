@@ -678,10 +678,16 @@ class Fp8LinearTest(testing.KernelTestCase):
       self.assertLess(relative_error(d_w[:, parity::2], want[:, parity::2]),
                       FP8_LAYER_TOLERANCE, f"columns {parity}::2")
 
-  def test_backward_lowers_for_the_gpu(self):
+  def test_lowers_for_the_gpu_to_one_quantization_kernel_per_operand(self):
+    """The forward alone: x and w quantized in the layout it takes (one
+    kernel each) and the product. The gradients: x, w and g each quantized
+    in both layouts by one kernel, and the two backward products (the
+    forward's product is unused here)."""
     x, w, _, g = self.operands(128, 256, 256)
-    text = testing.lowered_for_gpu(lambda x, w: jax.vjp(fp8_linear, x, w)[1](g), x, w)
-    self.assertEqual(testing.mosaic_kernel_count(text), 2)
+    for run, kernels in ((fp8_linear, 3), (lambda x, w: jax.vjp(fp8_linear, x, w)[1](g), 5)):
+      text = testing.lowered_for_gpu(run, x, w)
+      self.assertEqual(testing.mosaic_kernel_count(text), kernels)
+      self.assertEqual("fp8_quantize_both_layouts" in text, kernels == 5)
 
   def test_leading_dimensions_are_rows(self):
     """A (batch, sequence, K) activation, as a Dense layer gets it, under
