@@ -7,8 +7,9 @@ kernel call), `*_sm90.py` (the kernel bodies), `config.py`, `operands.py`,
 `epilogue.py`, `reference.py`, `autotune.py` and `tuning_cache.py`;
 `gated_linear_unit.py` (the fused gated unit of transformer MLPs);
 `ragged_dot.py` and `group_schedule.py` (the grouped matmul of
-mixture-of-experts layers); `fp8.py`, `fp8_quantize.py`,
-`fp8_quantize_sm90.py` (a tensor quantized in one or both layouts from one read) and
+mixture-of-experts layers); `fp8.py`, `fp8_quantize.py` (blocks, scales and
+the XLA reference), `fp8_quantize_sm90.py` (`quantize_fp8`: a tensor quantized
+in one or both layouts from one read) and
 `fp8_matmul_sm90.py` (the block-scaled FP8 matmul).
 
 The hook contract for kernels built on the cooperative body (the ring
@@ -23,8 +24,8 @@ from pipelines.cooperative_matmul_sm90 import PipelineCallback, emit_cooperative
 from pipelines.dot_general import dot_general
 from pipelines.epilogue import Epilogue
 from pipelines.fp8 import fp8_linear, fp8_matmul
-from pipelines.fp8_quantize import dequantize_fp8, quantize_fp8
-from pipelines.fp8_quantize_sm90 import quantize_fp8_both_layouts, quantize_fp8_one_read
+from pipelines.fp8_quantize import dequantize_fp8, quantize_fp8_reference
+from pipelines.fp8_quantize_sm90 import quantize_fp8, quantize_fp8_both_layouts
 from pipelines.gated_linear_unit import gated_linear_unit
 from pipelines.heuristic import default_config
 from pipelines.kernel_call import (
@@ -47,6 +48,6 @@ __all__ = [
     "fp8_matmul_reference",
     "gated_linear_unit",
     "matmul", "matmul_reference", "pallas_call_matmul", "persistent_kernel", "pipelined_matmul",
-    "quantize_fp8", "quantize_fp8_both_layouts", "quantize_fp8_one_read", "ragged_dot",
+    "quantize_fp8", "quantize_fp8_both_layouts", "quantize_fp8_reference", "ragged_dot",
     "ws_matmul", "ws_smem_budget",
 ]

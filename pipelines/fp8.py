@@ -28,7 +28,7 @@ from pipelines.fp8_quantize import (
     rhs_scales_block,
     scales_shape,
 )
-from pipelines.fp8_quantize_sm90 import quantize_fp8_both_layouts, quantize_fp8_one_read
+from pipelines.fp8_quantize_sm90 import quantize_fp8, quantize_fp8_both_layouts
 
 # With one scale per operand the whole K sum can stay in the tensor cores, so
 # the product runs on `matmul`'s persistent warp-specialized kernel, scaled in
@@ -79,9 +79,10 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
     lhs: (M, K) float8_e4m3fn, quantized in (1, 128) blocks (`quantize_fp8`).
     rhs: (N, K) float8_e4m3fn: the weight stored transposed (wgmma reads
       8-bit operands K-major only), quantized in (128, 128) blocks, e.g.
-      `quantize_fp8(w.T, SQUARE_BLOCK)` for a (K, N) weight `w`; or in (1,
-      128) blocks as the LHS is (`quantize_fp8(g.T, ROW_BLOCK)` for a
-      weight gradient's cotangent `g`, whose columns differ in size).
+      `quantize_fp8(w, SQUARE_BLOCK, transpose=True)` for a (K, N) weight
+      `w`; or in (1, 128) blocks as the LHS is (`quantize_fp8(g, ROW_BLOCK,
+      transpose=True)` for a weight gradient's cotangent `g`, whose columns
+      differ in size).
     lhs_scales: (M, ceil(K / 128)) float32, or () for one scale for all of
       lhs.
     rhs_scales: (ceil(N / 128), ceil(K / 128)) float32 for (128, 128)
@@ -158,7 +159,7 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
   columns can differ by orders of magnitude, which one scale per 128 of
   them would flush to zero. Each of x, w and g is read once for both of
   its layouts (`quantize_fp8_both_layouts`; outside `jax.grad`, the forward
-  takes the one layout it needs, `quantize_fp8_one_read`), and the backward
+  takes the one layout it needs, `quantize_fp8`), and the backward
   keeps x.T and w quantized, in e4m3, from the forward. The products run on
   `fp8_matmul`. d bias is g's column sum in float32.
 
@@ -196,8 +197,8 @@ def _make_fp8_linear(config: Fp8Config, has_bias: bool):
 
   @jax.custom_vjp
   def linear(x, w, *bias):
-    return product(quantize_fp8_one_read(x, ROW_BLOCK),
-                   quantize_fp8_one_read(w, SQUARE_BLOCK, transpose=True), x.dtype, *bias)
+    return product(quantize_fp8(x, ROW_BLOCK), quantize_fp8(w, SQUARE_BLOCK, transpose=True),
+                   x.dtype, *bias)
 
   def forward(x, w, *bias):
     # Each operand is read once for both of its layouts: the forward's, and

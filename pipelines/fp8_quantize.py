@@ -1,10 +1,13 @@
-"""FP8 (e4m3) quantization with one float32 scale per block, in XLA.
+"""FP8 (e4m3) quantization with one float32 scale per block: its blocks and
+scales, and its formulation in XLA (`quantize_fp8_reference`).
 
 A tensor is quantized per block: each block of its elements is divided by a
 float32 scale, its largest magnitude over e4m3's largest finite value (448),
 and rounded to e4m3, so one outlier sets the scale of its own block only.
 Activations take blocks of 1x128 along K (a row's block), weights 128x128,
-as FP8 training recipes do (DeepSeek-V3's).
+as FP8 training recipes do (DeepSeek-V3's). `quantize_fp8`
+(`fp8_quantize_sm90`) runs a kernel for 16-bit tensors and this formulation
+for float32 ones; the tests take this one as the reference.
 """
 
 from __future__ import annotations
@@ -60,27 +63,13 @@ def check_block(block) -> tuple[int, int]:
   return block
 
 
-def quantize_fp8(x: jax.Array, block: tuple[int, int] = ROW_BLOCK) -> tuple[jax.Array, jax.Array]:
-  """Quantizes `x` to e4m3 with one float32 scale per block (XLA: a pass that
-  takes the blocks' largest magnitudes, then one that divides and rounds).
-
-  Args:
-    x: (R, C) float32, bfloat16 or float16, finite: a NaN or inf
-      dequantizes to NaN, and may take its block's other elements with it
-      (their scale is then NaN or inf).
-    block: (1, 128): a scale per row and 128 columns (an activation, whose
-      columns are K); (128, 128): per 128x128 block (a weight stored (N, K)).
-      Blocks at the edges may be partial.
-
-  Returns:
-    (values, scales): values (R, C) float8_e4m3fn and scales
-    (ceil(R / block[0]), ceil(C / block[1])) float32, with x[r, c] close to
-    values[r, c] * scales[r // block[0], c // block[1]]: within 2**-4 of
-    |x[r, c]| (e4m3 keeps 3 mantissa bits) plus 2**-10 times the block's
-    scale (half of e4m3's smallest subnormal step, for elements more than
-    2**8 times smaller than their block's largest). A block of zeros has
-    scale 1.
-  """
+def quantize_fp8_reference(x: jax.Array, block: tuple[int, int] = ROW_BLOCK
+                           ) -> tuple[jax.Array, jax.Array]:
+  """`quantize_fp8` in XLA: a pass that takes the blocks' largest magnitudes,
+  then one that divides and rounds (x.T, where a caller passes one, is a
+  pass of its own). The same arguments and results as `quantize_fp8`, which
+  runs it for float32 tensors; for 16-bit ones, the reference its kernel
+  matches bit for bit."""
   block = check_block(block)
   check_quantizable(x)
   return _quantize(x, block)

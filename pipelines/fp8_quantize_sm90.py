@@ -1,15 +1,16 @@
-"""FP8 quantization of a tensor in one or both of its layouts, from one read (sm_90).
+"""FP8 quantization of a tensor in one or both of its layouts, from one read (sm_90):
+`quantize_fp8` and `quantize_fp8_both_layouts`.
 
 An FP8 training step multiplies each of its tensors twice, once as stored and
 once transposed (x in the forward and, as x.T, in the weight gradient), and
 e4m3 wgmmas read both operands K-major, so each tensor is quantized in two
-layouts: `quantize_fp8(x)` and `quantize_fp8(x.T)`. XLA needs a pass over x
+layouts: x and x.T, each in its own blocks. XLA needs a pass over x
 for each (the block maxima must be known before the values are divided, and
 the transpose is a pass of its own). A (1, 128) block of x and one of x.T (a
 (128, 1) block of x) both lie within one aligned 128x128 tile, so this kernel
 takes each tile into SMEM once and writes both layouts and their scales
-(`quantize_fp8_both_layouts`), or one of them (`quantize_fp8_one_read`,
-which spares XLA's second read of x, and its transpose's pass for x.T):
+(`quantize_fp8_both_layouts`), or one of them (`quantize_fp8`, which spares
+XLA's second read of x, and its transpose's pass for x.T):
 
   - the tile's rows, read into registers, quantized along their 128 columns;
   - its columns as rows, out of the tensor cores: the 64x64 identity times
@@ -17,13 +18,14 @@ which spares XLA's second read of x, and its transpose's pass for x.T):
     operand from SMEM), exact in the float32 accumulator, quantized the same way.
 
 One block per tile and one warpgroup per block; blocks overlap one another's
-loads and stores. The values and scales are those of `quantize_fp8`, bit
-for bit: the same maxima and scales, and the values times the scales'
-reciprocals, as XLA computes `quantize_fp8`'s division, rounded to e4m3. One
+loads and stores. The values and scales are those of XLA's
+`quantize_fp8_reference`, bit for bit: the same maxima and scales, and the
+values times the scales' reciprocals, as XLA computes its division, rounded
+to e4m3. One
 exception: a zero of x.T's layout may have the other sign (the identity's
 products sum a -0 to +0), which no product that reads the values can tell
 apart. And a non-finite element of x, times the identity's zeros, spreads NaN
-over 64 elements of x.T's layout, where `quantize_fp8` makes one NaN.
+over 64 elements of x.T's layout, where XLA makes one NaN.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pipelines.fp8_quantize import (
     block_scales,
     check_block,
     check_quantizable,
-    quantize_fp8,
+    quantize_fp8_reference,
     scales_shape,
 )
 from pipelines.operands import round_up, zero_pad
@@ -54,57 +56,73 @@ TILE = FP8_SCALE_BLOCK
 # A warpgroup's wgmma covers 64 rows: the tile goes through in two halves.
 HALF = 64
 # Operands the tensor cores can move exactly: 16-bit floats. A float32 tensor
-# takes `quantize_fp8` twice.
+# takes `quantize_fp8_reference`.
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def quantize_fp8_both_layouts(x: jax.Array, block: tuple[int, int] = ROW_BLOCK
                               ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-  """`(quantize_fp8(x, block), quantize_fp8(x.T, block))`, from one read of x.
+  """`(quantize_fp8(x, block), quantize_fp8(x, block, transpose=True))`, from
+  one read of x.
 
   Args:
     x: (R, C) bfloat16 or float16 (one kernel; R and C padded to multiples of
-      128 where they are not, a copy), or float32 (`quantize_fp8` twice).
+      128 where they are not, a copy), or float32 (`quantize_fp8_reference`
+      twice).
     block: `ROW_BLOCK` (1, 128) or `SQUARE_BLOCK` (128, 128), for both layouts.
 
   Returns:
     ((values (R, C), scales), (values_t (C, R), scales_t)), float8_e4m3fn
-    values and float32 scales as `quantize_fp8` returns them for x and x.T,
-    bit for bit, but for the sign of some zeros of values_t (a -0 of x
-    comes out +0) and for a non-finite x[r, c], which makes values_t[c2, r]
-    NaN for each c2 of the 64-aligned 64 that hold c, not for c alone.
+    values and float32 scales as `quantize_fp8_reference` returns them for x
+    and x.T, bit for bit, but for the sign of some zeros of values_t (a -0
+    of x comes out +0) and for a non-finite x[r, c], which makes
+    values_t[c2, r] NaN for each c2 of the 64-aligned 64 that hold c, not
+    for c alone.
   """
   block = check_block(block)
   check_quantizable(x)
   if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or not x.size:
-    return quantize_fp8(x, block), quantize_fp8(x.T, block)
+    return quantize_fp8_reference(x, block), quantize_fp8_reference(x.T, block)
   return _quantize_layouts(x, block, as_stored=True, transposed=True)
 
 
-def quantize_fp8_one_read(x: jax.Array, block: tuple[int, int] = ROW_BLOCK, *,
-                          transpose: bool = False) -> tuple[jax.Array, jax.Array]:
-  """`quantize_fp8(x.T if transpose else x, block)`, from one read of x.
+def quantize_fp8(x: jax.Array, block: tuple[int, int] = ROW_BLOCK, *,
+                 transpose: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Quantizes `x` (or x.T, with `transpose`) to e4m3 with one float32 scale
+  per block.
 
-  XLA's `quantize_fp8` reads its operand twice (the block maxima, then the
-  division), and a transposed operand costs it the transpose's pass as well;
-  this kernel reads each 128x128 tile of x into SMEM once (as
-  `quantize_fp8_both_layouts` does, writing one layout).
+  A 16-bit x goes through one kernel that reads each 128x128 tile of it into
+  SMEM once, where XLA (`quantize_fp8_reference`) reads it twice, once for
+  the block maxima and once to divide and round, and a transposed operand
+  costs it the transpose's pass as well. float32 goes through
+  `quantize_fp8_reference`.
 
   Args:
     x: (R, C) bfloat16 or float16 (one kernel; R and C padded to multiples of
-      128 where they are not, a copy), or float32 (`quantize_fp8`).
-    block: `ROW_BLOCK` (1, 128) or `SQUARE_BLOCK` (128, 128).
-    transpose: quantize x.T (C, R), e.g. a (K, N) weight for `fp8_matmul`'s
+      128 where they are not, a copy), or float32. Finite: a NaN or inf
+      dequantizes to NaN, and may take its block's other elements with it
+      (their scale is then NaN or inf).
+    block: (1, 128): a scale per row and 128 columns (an activation, whose
+      columns are K); (128, 128): per 128x128 block (a weight stored (N, K)).
+      Blocks at the edges may be partial.
+    transpose: quantize x.T (C, R), e.g. a (K, N) weight as `fp8_matmul`'s
       (N, K) RHS, without writing x.T first.
 
   Returns:
-    (values, scales) as `quantize_fp8` returns them, with the exceptions
-    `quantize_fp8_both_layouts` states for x.T's layout where `transpose`.
+    (values, scales) of y = x (or x.T): values (rows, columns) float8_e4m3fn
+    and scales (ceil(rows / block[0]), ceil(columns / block[1])) float32,
+    with y[r, c] close to values[r, c] * scales[r // block[0], c // block[1]]:
+    within 2**-4 of |y[r, c]| (e4m3 keeps 3 mantissa bits) plus 2**-10 times
+    the block's scale (half of e4m3's smallest subnormal step, for elements
+    more than 2**8 times smaller than their block's largest). A block of
+    zeros has scale 1. Bit for bit `quantize_fp8_reference`'s, but with
+    `transpose` for the exceptions `quantize_fp8_both_layouts` states for
+    x.T's layout.
   """
   block = check_block(block)
   check_quantizable(x)
   if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or not x.size:
-    return quantize_fp8(x.T if transpose else x, block)
+    return quantize_fp8_reference(x.T if transpose else x, block)
   (layout,) = _quantize_layouts(x, block, as_stored=not transpose, transposed=transpose)
   return layout
 
@@ -233,9 +251,9 @@ def _quantize_tile(x_gmem, *out_gmem, square: bool, as_stored: bool, transposed:
 def _store_quantized(value, scales, values_smem, scales_smem) -> None:
   """(64, 128) float32 `value` times the reciprocals of its rows' `scales`,
   rounded to e4m3, into `values_smem`; the scales into `scales_smem` (64,).
-  XLA computes `quantize_fp8`'s division by a broadcast scale the same way
-  (a reciprocal, then products), which an exact division does not match at
-  every rounding tie of e4m3."""
+  XLA computes `quantize_fp8_reference`'s division by a broadcast scale the
+  same way (a reciprocal, then products), which an exact division does not
+  match at every rounding tie of e4m3."""
   reciprocals = lax.broadcast_in_dim(1.0 / scales, value.shape, (0,))
   values_smem[...] = (value * reciprocals).astype(FP8_DTYPE)
   scales_smem[...] = scales

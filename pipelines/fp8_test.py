@@ -20,7 +20,7 @@ from pipelines import (
   fp8_matmul_reference,
   quantize_fp8,
   quantize_fp8_both_layouts,
-  quantize_fp8_one_read,
+  quantize_fp8_reference,
 )
 from pipelines import matmul_test_base as base
 from pipelines.fp8_quantize import (
@@ -74,7 +74,7 @@ def quantized_operands(seed: int, m: int, k: int, n: int, rhs_block=SQUARE_BLOCK
   rhs_factors = spread(seed + 3, scales_shape((n, k), rhs_block), octaves=4)
   rhs_factors = jnp.repeat(jnp.repeat(rhs_factors, rhs_block[0], 0), rhs_block[1], 1)
   rhs = spread(seed + 1, (n, k)) * rhs_factors[:n, :k]
-  return (*quantize_fp8(lhs, ROW_BLOCK), *quantize_fp8(rhs, rhs_block))
+  return (*quantize_fp8_reference(lhs, ROW_BLOCK), *quantize_fp8_reference(rhs, rhs_block))
 
 
 def accumulation_bound(lhs, rhs, lhs_scales, rhs_scales, rhs_block=SQUARE_BLOCK) -> np.ndarray:
@@ -109,14 +109,20 @@ def assert_product_close(test, out, ref, out_dtype, accumulation: np.ndarray) ->
                   f"bound; worst excess {np.nanmax(error - bound):.3g}")
 
 
-class QuantizeTest(parameterized.TestCase):
+# `quantize_fp8` (a kernel for 16-bit tensors) and its XLA reference, which
+# the tests of both take as the reference.
+QUANTIZERS = (("kernel", quantize_fp8), ("xla", quantize_fp8_reference))
+
+
+class QuantizeTest(testing.KernelTestCase):
+  """What quantizing promises, of `quantize_fp8` and of `quantize_fp8_reference`."""
 
   @parameterized.product(block=[ROW_BLOCK, SQUARE_BLOCK],
                          dtype=[jnp.float32, jnp.bfloat16, jnp.float16],
-                         shape=[(256, 384), (130, 300)])
-  def test_round_trip_within_e4m3_rounding(self, block, dtype, shape):
+                         shape=[(256, 384), (130, 300)], quantizer=QUANTIZERS)
+  def test_round_trip_within_e4m3_rounding(self, block, dtype, shape, quantizer):
     x = testing.random_array(1, shape, dtype, scale=3.0)
-    values, scales = quantize_fp8(x, block)
+    values, scales = self.run_kernel(functools.partial(quantizer[1], block=block), x)
     self.assertEqual((values.dtype, values.shape), (jnp.dtype(jnp.float8_e4m3fn), shape))
     self.assertEqual((scales.dtype, scales.shape),
                      (jnp.dtype(jnp.float32), scales_shape(shape, block)))
@@ -126,19 +132,20 @@ class QuantizeTest(parameterized.TestCase):
     error = np.abs(np.asarray(dequantize_fp8(values, scales, block)) - x32)
     self.assertTrue(np.all(error <= bound), f"worst excess {np.max(error - bound):.3g}")
 
-  def test_each_block_scales_to_its_own_largest(self):
+  @parameterized.parameters(*QUANTIZERS)
+  def test_each_block_scales_to_its_own_largest(self, _, quantize):
     """A block's largest magnitude becomes 448; an outlier moves only its own
     block's scale; a block of zeros gets scale 1."""
-    x = testing.random_array(2, (256, 256), jnp.float32)
+    x = testing.random_array(2, (256, 256), jnp.bfloat16)
     x = x.at[3, 7].set(1e4).at[128:, 128:].set(0.0)
-    values, scales = quantize_fp8(x, SQUARE_BLOCK)
-    amax = np.abs(np.asarray(x)).reshape(2, 128, 2, 128).max(axis=(1, 3))
+    values, scales = self.run_kernel(functools.partial(quantize, block=SQUARE_BLOCK), x)
+    amax = np.abs(np.asarray(x, np.float32)).reshape(2, 128, 2, 128).max(axis=(1, 3))
     np.testing.assert_allclose(np.asarray(scales), np.where(amax > 0, amax / E4M3_MAX, 1.0),
                                rtol=1e-6)
     self.assertEqual(float(jnp.max(jnp.abs(values[:128, :128].astype(jnp.float32)))), E4M3_MAX)
     self.assertFalse(bool(jnp.any(values[128:, 128:].astype(jnp.float32) != 0)))
-    _, row_scales = quantize_fp8(x, ROW_BLOCK)
-    self.assertAlmostEqual(float(row_scales[3, 0]), 1e4 / E4M3_MAX, places=4)
+    _, row_scales = self.run_kernel(functools.partial(quantize, block=ROW_BLOCK), x)
+    self.assertAlmostEqual(float(row_scales[3, 0]), float(x[3, 7]) / E4M3_MAX, places=4)
     self.assertLess(float(row_scales[4, 0]), 1.0)
 
   def test_block_scales_of_non_finite_blocks(self):
@@ -147,26 +154,30 @@ class QuantizeTest(parameterized.TestCase):
     scales = np.asarray(block_scales(jnp.array([jnp.nan, jnp.inf, 0.0, E4M3_MAX])))
     np.testing.assert_array_equal(scales, [np.nan, np.inf, 1.0, 1.0])
 
-  @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
-  def test_a_non_finite_element(self, block):
+  @parameterized.product(block=[ROW_BLOCK, SQUARE_BLOCK], quantizer=QUANTIZERS)
+  def test_a_non_finite_element(self, block, quantizer):
     """It dequantizes to NaN, an inf's block whole; no other block changes."""
-    x = testing.random_array(3, (256, 256), jnp.float32)
+    quantize = functools.partial(quantizer[1], block=block)
+    x = testing.random_array(3, (256, 256), jnp.bfloat16)
     poisoned = x.at[3, 7].set(jnp.nan).at[200, 150].set(jnp.inf)
-    got = np.asarray(dequantize_fp8(*quantize_fp8(poisoned, block), block))
-    want = np.asarray(dequantize_fp8(*quantize_fp8(x, block), block))
+    got = np.asarray(dequantize_fp8(*self.run_kernel(quantize, poisoned), block))
+    want = np.asarray(dequantize_fp8(*quantize_fp8_reference(x, block), block))
     inf_rows = 200 // block[0] * block[0]
     self.assertTrue(np.isnan(got[3, 7]))
     self.assertTrue(np.all(np.isnan(got[inf_rows:inf_rows + block[0], 128:256])))
     assert_clean_blocks_equal(self, got, want, [(3, 7), (200, 150)], block)
 
-  def test_errors(self):
+  @parameterized.parameters(*QUANTIZERS)
+  def test_errors(self, _, quantize):
     with self.assertRaisesRegex(ValueError, r"block=\(64, 64\) must be one of"):
-      quantize_fp8(jnp.ones((4, 4)), (64, 64))
+      quantize(jnp.ones((4, 4), jnp.bfloat16), (64, 64))
     with self.assertRaisesRegex(ValueError, "x must be 2-D"):
-      quantize_fp8(jnp.ones((2, 4, 4)))
+      quantize(jnp.ones((2, 4, 4), jnp.bfloat16))
     with self.assertRaisesRegex(ValueError, "x.dtype=int32 must be one of"):
-      quantize_fp8(jnp.ones((4, 4), jnp.int32))
-    values, scales = quantize_fp8(jnp.ones((100, 256)))
+      quantize(jnp.ones((4, 4), jnp.int32))
+
+  def test_dequantize_errors(self):
+    values, scales = quantize_fp8_reference(jnp.ones((100, 256)))
     with self.assertRaisesRegex(ValueError, r"scales must have shape \(100, 2\) .* got \(300, 2\)"):
       dequantize_fp8(values, jnp.ones((300, 2)))
     with self.assertRaisesRegex(ValueError, r"scales must have shape \(100, 2\) .* got \(2, 100\)"):
@@ -202,9 +213,9 @@ def assert_bitwise_equal(test, got, want, what, *, zero_sign_may_differ=False):
 
 
 class QuantizeBothLayoutsTest(testing.KernelTestCase):
-  """`quantize_fp8_both_layouts` is `quantize_fp8` of x and of x.T, and
-  `quantize_fp8_one_read` either, bit for bit but for the sign of x's zeros in
-  x.T's layout."""
+  """`quantize_fp8_both_layouts`, and `quantize_fp8` with and without
+  `transpose`, are XLA's `quantize_fp8_reference` of x and of x.T, bit for
+  bit but for the sign of x's zeros in x.T's layout."""
 
   def check(self, shape, block, dtype, x=None):
     # Rows of magnitudes 2**-6 to 2**6 (apart by more than a block's
@@ -216,33 +227,35 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
            ).astype(dtype)
     (values, scales), (values_t, scales_t) = self.run_kernel(
         functools.partial(quantize_fp8_both_layouts, block=block), x)
-    one_read = [self.run_kernel(functools.partial(quantize_fp8_one_read, block=block,
-                                                  transpose=transpose), x)
-                for transpose in (False, True)]
+    one_layout = [self.run_kernel(functools.partial(quantize_fp8, block=block,
+                                                    transpose=transpose), x)
+                  for transpose in (False, True)]
     for what, got, want in zip(("values", "scales", "values of x.T", "scales of x.T") * 2,
-                               (values, scales, values_t, scales_t, *one_read[0], *one_read[1]),
-                               (*quantize_fp8(x, block), *quantize_fp8(x.T, block)) * 2,
+                               (values, scales, values_t, scales_t, *one_layout[0],
+                                *one_layout[1]),
+                               (*quantize_fp8_reference(x, block),
+                                *quantize_fp8_reference(x.T, block)) * 2,
                                strict=True):
       # x.T's values are products of the identity, whose sums of zeros are +0.
       assert_bitwise_equal(self, got, want, what, zero_sign_may_differ=what == "values of x.T")
 
   @parameterized.product(block=[ROW_BLOCK, SQUARE_BLOCK],
                          shape=[(256, 384), (200, 136)])
-  def test_each_layout_is_quantize_fp8(self, block, shape):
+  def test_each_layout_is_xlas(self, block, shape):
     """Aligned, and padded to whole tiles (the pads cut off)."""
     self.check(shape, block, jnp.bfloat16)
 
   @parameterized.parameters(jnp.float16, jnp.float32)
   def test_other_dtypes(self, dtype):
-    """float16 through the kernel; float32 through `quantize_fp8` twice (the
-    tensor cores would round it to tf32)."""
+    """float16 through the kernel; float32 through `quantize_fp8_reference`
+    (the tensor cores would round it to tf32)."""
     self.check((128, 256), ROW_BLOCK, dtype)
 
   @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
   def test_zeros_and_rounding_ties(self, block):
     """Signed zeros, whole zero rows and columns (scale 1), and multiples of
     16 whose quotients by their scales fall on e4m3's rounding ties: the
-    reciprocal's product must round as `quantize_fp8`'s does."""
+    reciprocal's product must round as XLA's division does."""
     x = np.array(testing.random_array(14, (256, 384), jnp.float32))
     x = np.round(x * 8) * 16
     x[::7] = 0.0
@@ -251,10 +264,10 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
 
   @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
   def test_a_non_finite_element(self, block):
-    """In x's layout as in `quantize_fp8`. In x.T's, the identity's zeros
-    times a non-finite x[r, c] are NaN at (c2, r) for each c2 of the 64
-    columns of x's tile half that holds c: those elements, not (c, r)
-    alone, dequantize to NaN; blocks without one are `quantize_fp8`'s."""
+    """In x's layout as in XLA's. In x.T's, the identity's zeros times a
+    non-finite x[r, c] are NaN at (c2, r) for each c2 of the 64 columns of
+    x's tile half that holds c: those elements, not (c, r) alone, dequantize
+    to NaN; blocks without one are XLA's."""
     x = testing.random_array(15, (256, 384), jnp.bfloat16)
     poisoned = x.at[3, 70].set(jnp.nan).at[200, 300].set(jnp.inf)
     (values, scales), (values_t, scales_t) = self.run_kernel(
@@ -264,12 +277,12 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
       return np.asarray(dequantize_fp8(values, scales, block))
     got, got_t = dequantized(values, scales), dequantized(values_t, scales_t)
     self.assertTrue(np.isnan(got[3, 70]) and np.isnan(got[200, 300]))
-    assert_clean_blocks_equal(self, got, dequantized(*quantize_fp8(x, block)),
+    assert_clean_blocks_equal(self, got, dequantized(*quantize_fp8_reference(x, block)),
                               [(3, 70), (200, 300)], block)
     spread = [(c, 3) for c in range(64, 128)] + [(c, 200) for c in range(256, 320)]
     self.assertTrue(all(np.isnan(got_t[index]) for index in spread))
-    assert_clean_blocks_equal(self, got_t, dequantized(*quantize_fp8(x.T, block)), spread,
-                              block)
+    assert_clean_blocks_equal(self, got_t, dequantized(*quantize_fp8_reference(x.T, block)),
+                              spread, block)
 
   @parameterized.parameters((ROW_BLOCK,), (SQUARE_BLOCK,))
   def test_lowers_for_the_gpu(self, block):
@@ -277,8 +290,8 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
     operands, the e4m3 stores, the TMA copies), for CUDA (a CPU lowers too)."""
     x = testing.random_array(13, (256, 384), jnp.bfloat16)
     for quantize in (functools.partial(quantize_fp8_both_layouts, block=block),
-                     functools.partial(quantize_fp8_one_read, block=block),
-                     functools.partial(quantize_fp8_one_read, block=block, transpose=True)):
+                     functools.partial(quantize_fp8, block=block),
+                     functools.partial(quantize_fp8, block=block, transpose=True)):
       text = testing.lowered_for_gpu(quantize, x)
       self.assertEqual(testing.mosaic_kernel_count(text), 1)
 
@@ -287,7 +300,7 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
         jnp.ones((0, 256), jnp.bfloat16))
     self.assertEqual((values.shape, scales.shape, values_t.shape, scales_t.shape),
                      ((0, 256), (0, 2), (256, 0), (256, 0)))
-    values_t, scales_t = quantize_fp8_one_read(jnp.ones((0, 256), jnp.bfloat16), transpose=True)
+    values_t, scales_t = quantize_fp8(jnp.ones((0, 256), jnp.bfloat16), transpose=True)
     self.assertEqual((values_t.shape, scales_t.shape), ((256, 0), (256, 0)))
 
   def test_errors(self):
@@ -298,9 +311,9 @@ class QuantizeBothLayoutsTest(testing.KernelTestCase):
     with self.assertRaisesRegex(ValueError, "x.dtype=int32 must be one of"):
       quantize_fp8_both_layouts(jnp.ones((4, 4), jnp.int32))
     with self.assertRaisesRegex(ValueError, r"block=\(1, 64\) must be one of"):
-      quantize_fp8_one_read(jnp.ones((4, 4), jnp.bfloat16), (1, 64), transpose=True)
+      quantize_fp8(jnp.ones((4, 4), jnp.bfloat16), (1, 64), transpose=True)
     with self.assertRaisesRegex(ValueError, "x must be 2-D"):
-      quantize_fp8_one_read(jnp.ones((4,), jnp.bfloat16))
+      quantize_fp8(jnp.ones((4,), jnp.bfloat16))
 
 
 class Fp8MatmulTest(testing.KernelTestCase):
@@ -362,7 +375,7 @@ class Fp8MatmulTest(testing.KernelTestCase):
     # a large part of them (with RHS scales per row, the 8-column block of an
     # N = 136 output is such a block, and a 2e-3 relative bound failed on the H200).
     accumulation = accumulation_bound(lhs, rhs, lhs_scales, rhs_scales, rhs_block)
-    want_scales = np.asarray(quantize_fp8(ref, ROW_BLOCK)[1])
+    want_scales = np.asarray(quantize_fp8_reference(ref, ROW_BLOCK)[1])
     scale_error = np.abs(np.asarray(scales) - want_scales)
     scale_bound = row_block_max(accumulation) / E4M3_MAX + 1e-6 * want_scales
     self.assertTrue(np.all(scale_error <= scale_bound),
@@ -638,8 +651,8 @@ class Fp8LinearTest(testing.KernelTestCase):
   def quantized_product(self, lhs_rows, rhs_rows, bias=None, rhs_block=SQUARE_BLOCK):
     """The float32 reference of one of the layer's products, on the operands
     quantized as the layer quantizes them."""
-    lhs, lhs_scales = quantize_fp8(lhs_rows, ROW_BLOCK)
-    rhs, rhs_scales = quantize_fp8(rhs_rows, rhs_block)
+    lhs, lhs_scales = quantize_fp8_reference(lhs_rows, ROW_BLOCK)
+    rhs, rhs_scales = quantize_fp8_reference(rhs_rows, rhs_block)
     return fp8_matmul_reference(lhs, rhs, lhs_scales, rhs_scales, bias,
                                 epilogue=Epilogue(has_bias=bias is not None))
 

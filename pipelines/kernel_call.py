@@ -58,7 +58,7 @@ from pipelines.fp8_matmul_sm90 import (
     emit_fp8_matmul_persistent,
     emit_fp8_matmul_warp_specialized,
 )
-from pipelines.fp8_quantize import ROW_BLOCK, quantize_fp8, scales_shape
+from pipelines.fp8_quantize import ROW_BLOCK, quantize_fp8_reference, scales_shape
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
 from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
@@ -302,8 +302,8 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
                   has_bias=bias is not None, has_column_scales=scaled)
   if problem.is_empty:
     if quantized:
-      return quantize_fp8(empty_result(problem, jnp.float32, (lhs, rhs), bias, epilogue),
-                          ROW_BLOCK)
+      return quantize_fp8_reference(
+          empty_result(problem, jnp.float32, (lhs, rhs), bias, epilogue), ROW_BLOCK)
     out = empty_result(problem, out_dtype, (lhs, rhs), bias, epilogue)
     if not keep_derivative:
       return out
@@ -656,7 +656,7 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   if not (m and n and k):
     problem = operands.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16))
     out = empty_result(problem, jnp.float32, (lhs, rhs, lhs_scales, rhs_scales), bias, epilogue)
-    return quantize_fp8(out, ROW_BLOCK) if quantized else out.astype(out_dtype)
+    return quantize_fp8_reference(out, ROW_BLOCK) if quantized else out.astype(out_dtype)
   tile_m, tile_n, tile_k = config.cta_tile_m, Fp8Config.TILE_N, Fp8Config.TILE_K
   padded_m, padded_n = operands.round_up(m, tile_m), operands.round_up(n, tile_n)
   padded_k = operands.round_up(k, tile_k)

@@ -16,7 +16,7 @@ from pipelines import (
   matmul,
   matmul_reference,
   operands,
-  quantize_fp8,
+  quantize_fp8_reference,
 )
 from pipelines import matmul_test_base as base
 from pipelines.fp8_quantize import ROW_BLOCK, SQUARE_BLOCK, scales_shape
@@ -54,7 +54,8 @@ class QuantizedOutputTest(testing.KernelTestCase):
     self.assertEqual((values.shape, values.dtype), ((m, n), jnp.dtype(F8)))
     self.assertEqual((scales.shape, scales.dtype),
                      (scales_shape((m, n), ROW_BLOCK), jnp.dtype(jnp.float32)))
-    np.testing.assert_allclose(np.asarray(scales), np.asarray(quantize_fp8(ref, ROW_BLOCK)[1]),
+    np.testing.assert_allclose(np.asarray(scales),
+                               np.asarray(quantize_fp8_reference(ref, ROW_BLOCK)[1]),
                                rtol=SUMMATION_TOLERANCE)
     ref = np.asarray(ref)
     scale_of_each = np.asarray(dequantize_fp8(jnp.ones((m, n), F8), scales))
@@ -94,7 +95,7 @@ class QuantizedOutputTest(testing.KernelTestCase):
     m, k, n = 128, 256, 256
     values, scales = self.check(m, k, n, seed=72)
     w = testing.random_array(74, (n, 64), jnp.bfloat16)
-    rhs, rhs_scales = quantize_fp8(w.T, SQUARE_BLOCK)
+    rhs, rhs_scales = quantize_fp8_reference(w.T, SQUARE_BLOCK)
     out = self.run_kernel(fp8_matmul, values, rhs, scales, rhs_scales)
     want = dequantize_fp8(values, scales) @ dequantize_fp8(rhs, rhs_scales, SQUARE_BLOCK).T
     self.assertEqual(out.shape, (m, 64))

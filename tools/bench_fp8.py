@@ -30,9 +30,9 @@ and, with `--train`, a layer's forward + backward from a bf16 cotangent:
 `fp8_linear` (by default, and in steps of two scale blocks) against
 `pipelines.matmul` and XLA's autodiff of `jnp.dot`.
 With `--quantized_output`, a bf16 product whose output is quantized for the
-next FP8 matmul, in (1, 128) blocks, against XLA's `jnp.dot` then
-`quantize_fp8` (the baseline of these rows):
-  ours: bf16, then quantize_fp8            `matmul`, then the XLA fusion
+next FP8 matmul, in (1, 128) blocks, against XLA's `jnp.dot` then XLA's
+`quantize_fp8_reference` (the baseline of these rows):
+  ours: bf16, then quantize_fp8            `matmul`, then the quantization kernel
   ours: bf16, quantized in the epilogue    `matmul(..., out_dtype=float8_e4m3fn)`
 Each record has the time, TFLOP/s, the ratio to `jnp.dot` (the median of the
 rounds' ratios, and their range) and the relative error against the float32
@@ -41,13 +41,14 @@ product of the unquantized data (FP8's own rounding included).
 With `--quantize_both_layouts`, the quantization of an FP8 training step's
 operands in both of their layouts (each of x, g and w enters two products: as
 stored and transposed), at the cotangent's shape (M, N) in (1, 128) blocks and
-the weight's (K, N) in (128, 128) blocks, against XLA's `quantize_fp8` of the
-tensor and of its transpose (the baseline of these rows):
+the weight's (K, N) in (128, 128) blocks, against XLA's `quantize_fp8_reference`
+of the tensor and of its transpose (the baseline of these rows):
   quantize both layouts: ours, one read   `quantize_fp8_both_layouts`
 With `--quantize_one_layout`, an activation (M, K) in (1, 128) blocks and a
 weight (K, N) transposed in (128, 128) blocks (as `fp8_matmul` takes its RHS),
-against XLA's `quantize_fp8` (of w.T for the weight; the baseline of these rows):
-  quantize one layout: ours, one read     `quantize_fp8_one_read`
+against XLA's `quantize_fp8_reference` (of w.T for the weight; the baseline of
+these rows):
+  quantize one layout: ours, one read     `quantize_fp8`, with `transpose` for the weight
 
 With `--precision`, it also measures `fp8_matmul`'s error against the float32
 product of the dequantized operands (the same e4m3 values and scales: the
@@ -79,7 +80,7 @@ from pipelines import (
     matmul,
     quantize_fp8,
     quantize_fp8_both_layouts,
-    quantize_fp8_one_read,
+    quantize_fp8_reference,
 )
 from pipelines.config import FP8_DTYPE
 from pipelines.fp8_quantize import E4M3_MAX, ROW_BLOCK, SQUARE_BLOCK
@@ -89,9 +90,9 @@ BASELINE = "jnp.dot"
 # `Fp8Config.k_blocks_per_step` = 2, in slots of the SMEM of the default's.
 TWO_BLOCK_STEPS = Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)
 TRAIN_BASELINE = "train: jnp.dot (XLA autodiff)"
-QUANTIZED_BASELINE = "quantized output: jnp.dot, then quantize_fp8"
-BOTH_LAYOUTS_BASELINE = "quantize both layouts: XLA, quantize_fp8 of x and x.T"
-ONE_LAYOUT_BASELINE = "quantize one layout: XLA, quantize_fp8"
+QUANTIZED_BASELINE = "quantized output: jnp.dot, then XLA's quantize_fp8_reference"
+BOTH_LAYOUTS_BASELINE = "quantize both layouts: XLA, quantize_fp8_reference of x and x.T"
+ONE_LAYOUT_BASELINE = "quantize one layout: XLA, quantize_fp8_reference"
 
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT", "out"),
                                "Where results go; relative to where the command ran.")
@@ -132,7 +133,7 @@ def forward_implementations(x, w) -> tuple[dict, dict]:
   """{name: fn(operands)} of the forward products of x (M, K) @ w (K, N), and
   `operands`: x and w in bf16, and quantized in blocks and per tensor."""
   xq, xs = quantize_fp8(x, ROW_BLOCK)
-  wq, ws = quantize_fp8(w.T, SQUARE_BLOCK)
+  wq, ws = quantize_fp8(w, SQUARE_BLOCK, transpose=True)
   x_scale = jnp.max(jnp.abs(x)).astype(jnp.float32) / E4M3_MAX
   w_scale = jnp.max(jnp.abs(w)).astype(jnp.float32) / E4M3_MAX
   operands = dict(x=x, w=w, xq=xq, xs=xs, wq=wq, ws=ws, x_scale=x_scale, w_scale=w_scale,
@@ -193,7 +194,7 @@ def quantized_output_implementations() -> dict:
   """{name: fn(x, w)}: x @ w in bf16 with its output quantized in (1, 128)
   blocks, as (values, scales)."""
   return {
-      QUANTIZED_BASELINE: lambda x, w: quantize_fp8(jnp.dot(x, w), ROW_BLOCK),
+      QUANTIZED_BASELINE: lambda x, w: quantize_fp8_reference(jnp.dot(x, w), ROW_BLOCK),
       "quantized output: ours bf16, then quantize_fp8": lambda x, w: quantize_fp8(
           matmul(x, w), ROW_BLOCK),
       "quantized output: ours bf16, in the epilogue": functools.partial(
@@ -204,7 +205,8 @@ def quantized_output_implementations() -> dict:
 def both_layouts_implementations(block: tuple[int, int]) -> dict:
   """{name: fn(a)}: `a` quantized in `block`s, as stored and transposed."""
   return {
-      BOTH_LAYOUTS_BASELINE: lambda a: (quantize_fp8(a, block), quantize_fp8(a.T, block)),
+      BOTH_LAYOUTS_BASELINE: lambda a: (quantize_fp8_reference(a, block),
+                                        quantize_fp8_reference(a.T, block)),
       "quantize both layouts: ours, one read": functools.partial(
           quantize_fp8_both_layouts, block=block),
   }
@@ -213,9 +215,9 @@ def both_layouts_implementations(block: tuple[int, int]) -> dict:
 def one_layout_implementations(block: tuple[int, int], transpose: bool) -> dict:
   """{name: fn(a)}: `a` (or a.T, with `transpose`) quantized in `block`s."""
   return {
-      ONE_LAYOUT_BASELINE: lambda a: quantize_fp8(a.T if transpose else a, block),
+      ONE_LAYOUT_BASELINE: lambda a: quantize_fp8_reference(a.T if transpose else a, block),
       "quantize one layout: ours, one read": functools.partial(
-          quantize_fp8_one_read, block=block, transpose=transpose),
+          quantize_fp8, block=block, transpose=transpose),
   }
 
 
@@ -244,7 +246,7 @@ def bench_problem(m: int, k: int, n: int, *, train: bool, iterations: int,
   if quantized_output:
     records += [dict(r, dtype="float8_e4m3fn", **shape) for r in timing.time_in_rounds(
         quantized_output_implementations(), (x, w), flops=2 * m * k * n,
-        baseline=QUANTIZED_BASELINE, reference=quantize_fp8(exact, ROW_BLOCK),
+        baseline=QUANTIZED_BASELINE, reference=quantize_fp8_reference(exact, ROW_BLOCK),
         iterations=iterations, rounds=rounds).values()]
   if both_layouts:
     for name, tensor, block in (("cotangent", cli.random_operands(m, n, 1, jnp.bfloat16)[0],
@@ -287,7 +289,7 @@ def precision_records(k_values: list[int], m: int = 1024, n: int = 1024) -> list
   for k in k_values:
     x, w = cli.random_operands(m, k, n, jnp.bfloat16)
     xq, xs = quantize_fp8(x, ROW_BLOCK)
-    wq, ws = quantize_fp8(w.T, SQUARE_BLOCK)
+    wq, ws = quantize_fp8(w, SQUARE_BLOCK, transpose=True)
     cases = {f"fp8_matmul, compute_wgs={c}": (
         functools.partial(fp8_matmul, out_dtype=jnp.float32, config=Fp8Config(compute_wgs=c)),
         (xq, wq, xs, ws)) for c in (1, 2)}
