@@ -76,11 +76,12 @@ class CooperativeMatmulTest(base.MatmulTestBase):
 
   @parameterized.product(layout=(base.LAYOUTS[1], base.LAYOUTS[3]), k_splits=(1, 2))
   def test_sixteen_column_tiles_over_a_transposed_rhs(self, layout, k_splits):
-    """The heuristic's tile for outputs at most 16 columns wide with an (N, K)
-    RHS: 128x16 CTA tiles (two 64x16 warpgroup tiles along M), an N of 8
-    under the 16-column tile, ragged M, 3 K steps, unsplit and in 2 ranges,
-    the bias and activation applied after the ranges' sum; each warpgroup's
-    16-float bias row starts 128 bytes past the last one's."""
+    """128x16 CTA tiles (two 64x16 warpgroup tiles along M) over an (N, K)
+    RHS, the tile an output at most 16 columns wide needs: an N of 8 under
+    the 16-column tile, ragged M, 3 K steps, unsplit and in 2 ranges, the
+    bias and activation applied after the ranges' sum. Each warpgroup's
+    16-float bias row starts 128 bytes past the last one's, where its TMA
+    copy can (with 64 bytes between them this faulted on an H100)."""
     self.check((200, 192, 8), jnp.bfloat16, seed=59, layout=layout, num_blocks=2,
                config_fields=dict(tile_n=16, epi_tile_n=16, wg_dimension=MatmulDimension.M,
                                   k_splits=k_splits),
