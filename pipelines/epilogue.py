@@ -299,9 +299,9 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
     wg_out: (tile_m, tile_n) GMEM ref of the output (TMA masks ragged edges).
     out_smem: (2, config.epilogue_slots, epi_tile_m, epi_tile_n) SMEM staging
       tiles of the output dtype, swizzled.
-    bias_smem: (2, tile_n) float32 SMEM ref holding this tile's bias (loaded),
-      or None.
-    column_scales_smem: (2, tile_n) float32 SMEM ref holding the scale of
+    bias_smem: (2, `column_vector_width(config)`) float32 SMEM ref whose
+      first tile_n columns hold this tile's bias (loaded), or None.
+    column_scales_smem: the same shape of SMEM ref, holding the scale of
       each of this tile's columns (loaded), or None: the accumulator is
       multiplied by it before anything is added (the dequantization of an
       FP8 product).
@@ -394,8 +394,8 @@ def store_epilogue(acc_blocks, wg, wg_out, out_smem, bias_smem, config, epilogue
     store += 1
 
   def by_column(vector_smem, j, shape):
-    """Sub-tile column `j`'s part of a (2, tile_n) per-column vector in SMEM,
-    broadcast along the rows of a sub-tile."""
+    """Sub-tile column `j`'s part of a per-column vector in SMEM (one row per
+    warpgroup, `column_vector_width`), broadcast along the rows of a sub-tile."""
     vector = plgpu.load(vector_smem.at[wg, pl.ds(j * epi_n, epi_n)],
                         layout=plgpu.Layout.WGMMA.reduce(0))
     return lax.broadcast_in_dim(vector, shape, (1,))

@@ -67,9 +67,9 @@ def quantize_fp8_reference(x: jax.Array, block: tuple[int, int] = ROW_BLOCK
                            ) -> tuple[jax.Array, jax.Array]:
   """`quantize_fp8` in XLA: a pass that takes the blocks' largest magnitudes,
   then one that divides and rounds (x.T, where a caller passes one, is a
-  pass of its own). The same arguments and results as `quantize_fp8`, which
-  runs it for float32 tensors; for 16-bit ones, the reference its kernel
-  matches bit for bit."""
+  pass of its own). The same arguments and results as `quantize_fp8`
+  without `transpose`; `quantize_fp8` runs it for float32 tensors, and for
+  16-bit ones it is the reference that the kernel matches bit for bit."""
   block = check_block(block)
   check_quantizable(x)
   return _quantize(x, block)

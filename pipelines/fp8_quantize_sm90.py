@@ -60,6 +60,12 @@ HALF = 64
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def _kernel_quantizes(x: jax.Array) -> bool:
+  """Whether the kernel takes `x`: 16-bit and not empty (an empty x has no
+  tile to launch a block for)."""
+  return jnp.dtype(x.dtype) in _KERNEL_DTYPES and x.size > 0
+
+
 def quantize_fp8_both_layouts(x: jax.Array, block: tuple[int, int] = ROW_BLOCK
                               ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
   """`(quantize_fp8(x, block), quantize_fp8(x, block, transpose=True))`, from
@@ -81,7 +87,7 @@ def quantize_fp8_both_layouts(x: jax.Array, block: tuple[int, int] = ROW_BLOCK
   """
   block = check_block(block)
   check_quantizable(x)
-  if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or not x.size:
+  if not _kernel_quantizes(x):
     return quantize_fp8_reference(x, block), quantize_fp8_reference(x.T, block)
   return _quantize_layouts(x, block, as_stored=True, transposed=True)
 
@@ -121,7 +127,7 @@ def quantize_fp8(x: jax.Array, block: tuple[int, int] = ROW_BLOCK, *,
   """
   block = check_block(block)
   check_quantizable(x)
-  if jnp.dtype(x.dtype) not in _KERNEL_DTYPES or not x.size:
+  if not _kernel_quantizes(x):
     return quantize_fp8_reference(x.T if transpose else x, block)
   (layout,) = _quantize_layouts(x, block, as_stored=not transpose, transposed=transpose)
   return layout
