@@ -120,6 +120,20 @@ _IN_PLACE_RHS_MAX_M = 256
 # tiles: 3.6 us against 6.7 (jnp.dot: 3.2).
 _NARROW_MAX_N = 64
 _NARROW_TILE = (_TILE_128X64, 1.0)
+# Outputs at most 16 columns wide with the RHS stored (N, K) (NT, TT) take
+# 128x16 CTA tiles in the 128x64 tile's split of K. Such an RHS's tiles are
+# whole 128-byte swizzled rows along K at any width, so a 16-column tile
+# spares the 48 zero-filled rows a 64-column one loads and multiplies. With a
+# (K, N) RHS the narrower tile means a narrower swizzle, and 128x16 tiles ran
+# up to 3.6x slower (docs/performance-log.md, "N <= 16: narrower CTA tiles").
+# On an H100 (bf16 and f16, 3 rounds of 20 calls; "The FP8 quantization
+# kernels, two-block steps and the N <= 16 tile rule on a GPU") the 128x16
+# tile ran 1.01-1.46x faster than the 128x64 one on all 12 problem-dtypes
+# measured: 4096x4096x8 NT 0.92-0.95x jnp.dot (fit half, 0.67-0.69x before),
+# 4096x18944x16 NT 1.08x (check half, 1.01x before).
+_NARROW_TRANSPOSED_RHS_MAX_N = 16
+_NARROW_TRANSPOSED_RHS_TILE = TuningConfig(tile_m=64, tile_n=16, epi_tile_n=16,
+                                           wg_dimension=MatmulDimension.M)
 _NARROW_DECODE_TILE = (TuningConfig(tile_m=64, tile_n=32, epi_tile_n=32,
                                     wg_dimension=MatmulDimension.N), 1.0)
 _MIN_SPLIT_K_NARROW = 256
@@ -595,7 +609,10 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   take 64-column CTA tiles, 128x64 or, where M <= 64, 64x64, in the split
   of K the model has fastest, with ranges as short as 256 and 8 stages
   (`_NARROW_TILE`; 4096x4096x64: 1.33x cuBLAS in 4 ranges, where 128x128
-  tiles ran at 0.96x).
+  tiles ran at 0.96x). Outputs at most 16 columns wide with the RHS stored
+  (N, K) take 128x16 tiles in the same split instead
+  (`_NARROW_TRANSPOSED_RHS_TILE`; 4096x4096x16 NT on an H100: 1.39x cuBLAS,
+  where 128x64 tiles ran at 0.99x).
 
   Unsplit 128x128 and 64x128 CTA tiles get 6 operand stages, which hide HBM
   latency where the problem streams a large operand (256x8192x8192 and
@@ -691,6 +708,9 @@ def _narrow_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   # min() keeps the fewest splits of equal times.
   splits = min(_k_splits_options(problem, tiles, min_k=_MIN_SPLIT_K_NARROW),
                key=lambda splits: _estimated_time_us(problem, tiles, tile_cost, splits))
+  if (problem.n <= _NARROW_TRANSPOSED_RHS_MAX_N and problem.layout.transpose_rhs
+      and tiles == _NARROW_TILE[0]):
+    tiles = _NARROW_TRANSPOSED_RHS_TILE
   config = deepest_fitting(
       dataclasses.replace(tiles, k_splits=splits), _NARROW_STAGES,
       lambda c: kernel_call.ws_smem_budget(c, problem, out_dtype, has_bias=True).fits())

@@ -456,6 +456,27 @@ class ConfigChoiceTest(parameterized.TestCase):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.float16))
       self.assertEqual(default_config(problem, jnp.float16).max_concurrent_steps, 8)
 
+  def test_heuristic_sixteen_column_tiles_over_a_transposed_rhs(self):
+    """Outputs at most 16 columns wide with an (N, K) RHS (NT, TT) above 64
+    rows take 128x16 CTA tiles in the 128x64 tile's split of K; a (K, N) RHS,
+    wider outputs and decode-size M keep their tiles."""
+    nn, nt, tn, tt = base.LAYOUTS[0], base.LAYOUTS[1], base.LAYOUTS[2], base.LAYOUTS[3]
+    for (m, k, n), layout, expected in (((4096, 4096, 8), nt, (128, 16, 4)),
+                                        ((4096, 4096, 16), tt, (128, 16, 4)),
+                                        ((4096, 18944, 16), nt, (128, 16, 4)),
+                                        ((4096, 8, 16), nt, (128, 16, 1)),
+                                        ((4096, 4096, 16), nn, (128, 64, 4)),
+                                        ((4096, 4096, 16), tn, (128, 64, 4)),
+                                        ((4096, 4096, 32), nt, (128, 64, 4)),
+                                        ((64, 4096, 16), nt, (64, 64, 16))):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16), layout=layout)
+      for out_dtype in (jnp.bfloat16, jnp.float32):
+        config = default_config(problem, out_dtype)
+        self.assertEqual((config.cta_tile_m, config.cta_tile_n, config.k_splits), expected,
+                         f"{m}x{k}x{n} {layout.name} -> {jnp.dtype(out_dtype).name}")
+        kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k), out_dtype,
+                                    has_bias=True)
+
   def test_heuristic_stages(self):
     """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
     split K and large tiles fewer."""
