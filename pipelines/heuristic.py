@@ -701,8 +701,9 @@ def _padding_us(config: TuningConfig, problem: operands.MatmulProblem, out_dtype
 
 def _narrow_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   """`default_config` for an output at most `_NARROW_MAX_N` columns wide
-  (`problem` with K rounded up to whole K steps): 64-column CTA tiles, the
-  split of K the model has fastest, the deepest pipeline that fits."""
+  (`problem` with K rounded up to whole K steps): 64-column CTA tiles (16-column
+  ones at N <= 16 over an (N, K) RHS), the split of K the model has fastest
+  for the 64-column tile, the deepest pipeline that fits."""
   tiles, tile_cost = (_NARROW_DECODE_TILE if problem.m <= _NARROW_DECODE_TILE[0].cta_tile_m
                       else _NARROW_TILE)
   # min() keeps the fewest splits of equal times.
