@@ -361,6 +361,16 @@ class TuningConfig:
       columns, and TMA multicasts each RHS tile to both: the RHS is read from
       L2 half as often, which is what a (K, N) RHS read in place with rows off
       128 bytes needs (each row of a tile then spans one more 128-byte line).
+    swap_operands: the kernel computes the transposed product, out.T =
+      op(rhs).T @ op(lhs).T, in float32, each operand still read as stored
+      (`MatmulProblem.transposed`), and XLA transposes it in the pass that
+      sums the partials of a split K and applies the bias, activation and
+      cast (`ws_matmul` only). The other fields are that product's config.
+      It serves decode-size M: an (M, K) LHS of a few rows becomes an
+      (N', K) RHS read in 16-row tiles, where as the LHS its 64-row tiles
+      reach past M, and TMA loads of rows past an array's end are slow
+      (16x4096x4096 on an H100: the kernel took 11.0 us, 7.5 us with the
+      LHS zero-padded to 64 rows).
   """
 
   tile_m: int = 128
@@ -376,6 +386,7 @@ class TuningConfig:
   k_splits: int = 1
   rhs_tile_n: int | None = None
   cluster_m: int = 1
+  swap_operands: bool = False
 
   def __post_init__(self):
     _check_tiles(self.tile_m, self.tile_n, self.tile_k)
@@ -396,6 +407,8 @@ class TuningConfig:
       if self.tile_n % self.rhs_tile_n or self.rhs_tile_n % self.epi_tile_n:
         raise ValueError(f"rhs_tile_n={self.rhs_tile_n} must divide tile_n={self.tile_n} and be "
                          f"a multiple of epi_tile_n={self.epi_tile_n}")
+    if not isinstance(self.swap_operands, bool):
+      raise ValueError(f"swap_operands={self.swap_operands!r} must be a bool")
     if self.cluster_m not in CLUSTER_SIZES:
       raise ValueError(f"cluster_m={self.cluster_m!r} must be one of {CLUSTER_SIZES}")
     for name, default in (("rhs_tile_n", None), ("cluster_m", 1)):

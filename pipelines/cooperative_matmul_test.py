@@ -87,6 +87,32 @@ class CooperativeMatmulTest(base.MatmulTestBase):
                                   k_splits=k_splits),
                epilogue=Epilogue(activation="gelu", has_bias=True))
 
+  @parameterized.product(layout_index=list(range(len(base.LAYOUTS))), k_splits=(1, 2))
+  def test_transposed_product(self, layout_index, k_splits):
+    """`swap_operands`: the kernel computes out.T, here in 128x16 tiles of
+    its own (the heuristic's for decode-size M), on 2 blocks; M = 12 rows
+    are 12 of a 16-column tile, a ragged N = 200 is out.T's rows, 3 K steps,
+    unsplit and in 2 ranges; XLA sums, transposes and applies the bias and
+    activation."""
+    self.check((12, 192, 200), jnp.bfloat16, seed=61, layout=base.LAYOUTS[layout_index],
+               num_blocks=2, config_fields=dict(swap_operands=True, tile_n=16, epi_tile_n=16,
+                                                wg_dimension=MatmulDimension.M,
+                                                k_splits=k_splits),
+               epilogue=Epilogue(activation="gelu", has_bias=True))
+
+  def test_transposed_product_of_one_row(self):
+    """One row (decode at batch 1) into a float32 output, with a float32 bias;
+    the kernel writes out.T, its one column padded to 128 bytes."""
+    config = dataclasses.replace(SMALL_WS, swap_operands=True, tile_n=16, epi_tile_n=16,
+                                 wg_dimension=MatmulDimension.M)
+    self.assertEqual(base.kernel_output_shapes(
+        functools.partial(ws_matmul, config=config, out_dtype=jnp.float32),
+        *base.operands(63, 1, 128, 136, jnp.float16)), [[(136, 32)]])
+    self.check((1, 128, 136), jnp.float16, seed=63, out_dtype=jnp.float32,
+               config_fields=dict(swap_operands=True, tile_n=16, epi_tile_n=16,
+                                  wg_dimension=MatmulDimension.M),
+               epilogue=Epilogue(activation="silu", has_bias=True))
+
   @parameterized.parameters(
       # (M x K x N, layout, config fields, blocks): 4 M tiles in 2 pairs, 2
       # tiles along N, on 2 clusters, each walking two pairs.

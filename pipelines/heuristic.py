@@ -134,6 +134,20 @@ _NARROW_TILE = (_TILE_128X64, 1.0)
 _NARROW_TRANSPOSED_RHS_MAX_N = 16
 _NARROW_TRANSPOSED_RHS_TILE = TuningConfig(tile_m=64, tile_n=16, epi_tile_n=16,
                                            wg_dimension=MatmulDimension.M)
+# Decode-size products (M <= 16 rows of an (M, K) LHS) whose weights are
+# at most `_TRANSPOSED_DECODE_MAX_N` wide run as their transpose
+# (`TuningConfig.swap_operands`): out.T = W.T @ x.T, the activations an (N', K)
+# RHS under the 16-column tile above, in float32, transposed by XLA in the
+# pass that sums the K ranges. As the LHS, their 64-row tiles reach past M,
+# and the TMA loads of those rows were slow: the kernel of 16x4096x4096 took
+# 11.0 us, 7.5 us with the LHS zero-padded to 64 rows (H100). On an H100 (bf16,
+# 2 rounds of 20 calls; docs/performance-log.md, "Decode as its transpose"), on
+# the fit half and problems of no suite, the transpose ran 1.01-1.37x faster
+# on 9 of the 11 such problems up to N = 8192 (1x4096x4096: 0.68x -> 0.93x
+# jnp.dot; 16x3072x3072: 0.81x -> 1.11x), 0.4% and 2.3% slower on
+# 16x4096x6144 and 1x8192x3072, and slower on 8 of 10 wider ones (its
+# 128-row tiles along N fall into part-empty waves: 16x4096x28672 0.96x -> 0.90x).
+_TRANSPOSED_DECODE_MAX_N = 8192
 _NARROW_DECODE_TILE = (TuningConfig(tile_m=64, tile_n=32, epi_tile_n=32,
                                     wg_dimension=MatmulDimension.N), 1.0)
 _MIN_SPLIT_K_NARROW = 256
@@ -630,12 +644,24 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   LHS's M would be padded, the K step is 32 elements, so that the LHS is
   read in place (`_with_one_segment_k_step`; 100x8192x4000: 10-12% faster).
 
+  Decode-size products (at most 16 rows of an (M, K) LHS) whose output is
+  65-8192 columns wide and whose weight rows are whole 128-byte segments run
+  as their transpose, out.T = op(rhs).T @ op(lhs).T
+  (`TuningConfig.swap_operands`, `_TRANSPOSED_DECODE_MAX_N`), in this
+  heuristic's config for that product: the activations' rows are then an RHS
+  tile's, which no TMA load reads past (16x4096x4096: 1.39x faster in bf16,
+  1.45x in f16, on an H100).
+
   Args:
     problem: the (M, K, N) problem and operand dtype.
     out_dtype: the output dtype (the SMEM of the epilogue tiles).
-    cooperative_only: never the ping-pong schedule, for kernels that run only
-      the cooperative one (the grouped matmul).
+    cooperative_only: never the ping-pong schedule nor the transposed
+      product, for kernels that run only the cooperative one on the problem
+      as given (the grouped matmul, the quantized output).
   """
+  if not cooperative_only and _runs_transposed(problem):
+    return dataclasses.replace(default_config(problem.transposed(), jnp.float32),
+                               swap_operands=True)
   config = _finished_config(problem, out_dtype, cooperative_only=cooperative_only)
   if config.schedule == Schedule.PINGPONG:
     # Ping-pong's tiles have no one-segment RHS tiles nor clusters, so where
@@ -646,6 +672,18 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
     if _padding_us(cooperative, problem, out_dtype) < _padding_us(config, problem, out_dtype):
       return cooperative
   return config
+
+
+def _runs_transposed(problem: operands.MatmulProblem) -> bool:
+  """Whether `default_config` has `problem` run as its transpose: decode-size
+  M of an (M, K) LHS, an output 65-8192 columns wide, and weights whose rows
+  are whole 128-byte swizzle segments. As the transposed product's LHS,
+  weights with rows off them would be padded, or read with a narrower
+  swizzle, where today's decode tiles read them in place (1x8192x3000)."""
+  weight_row = problem.k if problem.layout.transpose_rhs else problem.n
+  return (problem.m <= _NARROW_TRANSPOSED_RHS_MAX_N and not problem.layout.transpose_lhs
+          and _NARROW_MAX_N < problem.n <= _TRANSPOSED_DECODE_MAX_N
+          and weight_row * problem.dtype.itemsize % max(SWIZZLE_BYTES) == 0)
 
 
 def quantized_output_config(problem: operands.MatmulProblem) -> TuningConfig:

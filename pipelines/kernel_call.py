@@ -17,6 +17,7 @@ The kernel bodies live in `*_sm90.py`, one per schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -73,7 +74,11 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
   (with `gated`, the cooperative body's gated unit, `ws_gated_matmul`; with
   `grouped`, its grouped matmul, `ws_ragged_matmul`; with `ragged_k`, the
   grouped matmul's weight gradient, `ws_ragged_k_matmul`; with
-  `has_column_scales`, `ws_matmul`'s `column_scales`)."""
+  `has_column_scales`, `ws_matmul`'s `column_scales`). For
+  `config.swap_operands`, the SMEM of the transposed product's kernel."""
+  if config.swap_operands:
+    config, problem, out_dtype = transposed_product_kernel(config, problem)
+    has_bias = False
   if config.schedule == Schedule.PINGPONG:
     scratch = pingpong_scratch(config, problem.dtype, out_dtype, k=problem.k, has_bias=has_bias,
                                layout=problem.layout)
@@ -84,6 +89,15 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
                                   ragged_k=ragged_k, has_column_scales=has_column_scales)
   return SmemBudget.of_scratch(
       scratch, labels={"pipeline_allocs": pipeline_buffer_names(config, gated=gated)})
+
+
+def transposed_product_kernel(config: TuningConfig, problem: operands.MatmulProblem
+                              ) -> tuple[TuningConfig, operands.MatmulProblem, jnp.dtype]:
+  """(config, problem, out_dtype) of the kernel that runs a config with
+  `swap_operands`: out.T's problem (`MatmulProblem.transposed`) in float32,
+  without a bias (`ws_matmul` adds it after the transpose)."""
+  return (dataclasses.replace(config, swap_operands=False), problem.transposed(),
+          jnp.dtype(jnp.float32))
 
 
 def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
@@ -109,8 +123,18 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   epilogue scales the columns (`ws_matmul`'s `column_scales`), which needs
   the cooperative schedule without a split of K. An e4m3 `out_dtype` (the
   output quantized in the epilogue) needs that too, 128-column epilogue
-  tiles (one quantization block each) and no cluster.
+  tiles (one quantization block each) and no cluster. `config.swap_operands`
+  is `ws_matmul`'s alone, without column scales or a quantized output; its
+  other fields are checked against the transposed product.
   """
+  if config.swap_operands:
+    if (gated or grouped or ragged_k or has_column_scales or delay_release or kernel is not None
+        or jnp.dtype(out_dtype) == FP8_DTYPE):
+      raise ValueError(f"{config!r}: swap_operands runs only in ws_matmul's plain product, "
+                       "not in the gated unit, the grouped matmul or a ring kernel, nor with "
+                       "column scales or a float8_e4m3fn output; use swap_operands=False")
+    config, problem, out_dtype = transposed_product_kernel(config, problem)
+    has_bias = False
   if jnp.dtype(out_dtype) == FP8_DTYPE and (
       config.schedule != Schedule.COOPERATIVE or config.k_splits != 1
       or config.epi_tile_n != FP8_SCALE_BLOCK or config.cluster_m != 1):
@@ -164,7 +188,8 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
 def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
                  out_dtype) -> operands.TmaSizes:
   """The shapes `ws_matmul` pads the operands and its output to for `config`
-  (`operands.tma_sizes`)."""
+  (`operands.tma_sizes`), a config without `swap_operands` (for one with it,
+  `transposed_product_kernel` gives the kernel's config and problem)."""
   # K is never padded: TMA fills what a last K step, or a split's last K
   # range, reads past the end with zeros (`TuningConfig.split_k_steps`).
   return operands.tma_sizes(problem, out_dtype=config.store_dtype(out_dtype),
@@ -309,6 +334,10 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       return out
     pre_activation = empty_result(problem, jnp.float32, (lhs, rhs), bias, Epilogue())
     return out, epilogue.derivative(pre_activation).astype(derivative_dtype(out_dtype))
+  if config.swap_operands:
+    return _ws_transposed_product(lhs, rhs, bias, config=config, epilogue=epilogue,
+                                  out_dtype=out_dtype, problem=problem,
+                                  keep_derivative=keep_derivative)
   store_dtype = config.store_dtype(out_dtype)
   sizes = ws_tma_sizes(config, problem, out_dtype)
   lhs, rhs, bias = operands.pad_operands(lhs, rhs, bias, sizes)
@@ -367,6 +396,19 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
     if keep_derivative:
       outs = (outs[0], kept_derivative(outs[1], out_dtype))
   return outs if keep_derivative else outs[0]
+
+
+def _ws_transposed_product(lhs, rhs, bias, *, config: TuningConfig, epilogue: Epilogue,
+                           out_dtype, problem: operands.MatmulProblem, keep_derivative: bool):
+  """`ws_matmul` for a config with `swap_operands`: the kernel writes out.T =
+  op(rhs).T @ op(lhs).T in float32 (or its K ranges' partials), and one XLA
+  pass sums, transposes, adds the bias and applies the activation."""
+  kernel_config, transposed, _ = transposed_product_kernel(config, problem)
+  product = ws_matmul(rhs, lhs, config=kernel_config, out_dtype=jnp.float32,
+                      layout=transposed.layout)
+  out, derivative = epilogue.apply_and_derivative(Epilogue().apply_to_sum(product.T, bias))
+  out = out.astype(out_dtype)
+  return (out, derivative.astype(derivative_dtype(out_dtype))) if keep_derivative else out
 
 
 def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | None, *,

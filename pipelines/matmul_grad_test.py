@@ -17,6 +17,7 @@ import simulator
 from core import interpret, testing
 from pipelines import (
   Epilogue,
+  MatmulDimension,
   Schedule,
   TuningConfig,
   matmul,
@@ -141,6 +142,9 @@ class MatmulGradTest(testing.KernelTestCase):
       ("pingpong", dict(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
                         schedule=Schedule.PINGPONG)),
       ("split_k", dict(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, k_splits=2)),
+      ("transposed_product", dict(tile_m=64, tile_n=16, tile_k=64, epi_tile_n=16,
+                                  max_concurrent_steps=2, wg_dimension=MatmulDimension.M,
+                                  swap_operands=True)),
   )
   def test_kept_derivative_of_each_schedule(self, config_fields):
     """Both outputs of the epilogue, on ragged shapes with several tiles per

@@ -1,6 +1,7 @@
 """The public `matmul`: the base cases on the heuristic's configs, jit/vmap/shard_map,
 the heuristic itself, and bad input."""
 
+import dataclasses
 import functools
 
 import jax
@@ -389,18 +390,21 @@ class ConfigChoiceTest(parameterized.TestCase):
           self.assertEqual(rhs, layout.rhs_shape(k, padded_n), what)
 
   def test_heuristic_decode_tile(self):
-    """M of 16 rows or fewer may take 64x256 CTA tiles (more RHS bytes in
-    flight per stage) in K ranges of 2048 or more; M = 64 keeps 64x128 in
-    ranges, which ran faster there. Up to 64 rows, weights wide enough for a
-    wave of 128x256 tiles take unsplit 64x256 ones, not 128-row tiles that
-    compute mostly rows past M (16x8192x57344: 0.70x jnp.dot before, 0.92x
-    after, on an H200), or unsplit 64x512 ones where those stream the weights
-    in fewer waves than 64x256 tiles, whose last wave would be part-empty
-    (16x8192x57344 again: 0.90x -> 0.98x; 16x5120x55296: 0.93x -> 1.01x)."""
-    for (m, k, n), expected in (((1, 8192, 8192), (64, 256, 4)),
-                                ((16, 8192, 8192), (64, 256, 4)),
+    """M of 16 rows or fewer with outputs wider than 8192 columns (narrower
+    ones run as their transpose: `test_heuristic_transposed_decode`) may take
+    64x256 CTA tiles (more RHS bytes in flight per stage) in K ranges of 2048
+    or more; M = 64 keeps 64x128 in ranges, which ran faster there. Up to 64
+    rows, weights wide enough for a wave of 128x256 tiles take unsplit 64x256
+    ones, not 128-row tiles that compute mostly rows past M (16x8192x57344:
+    0.70x jnp.dot before, 0.92x after, on an H200), or unsplit 64x512 ones
+    where those stream the weights in fewer waves than 64x256 tiles, whose
+    last wave would be part-empty (16x8192x57344 again: 0.90x -> 0.98x;
+    16x5120x55296: 0.93x -> 1.01x)."""
+    for (m, k, n), expected in (((1, 8192, 16384), (64, 256, 2)),
+                                ((16, 8192, 10240), (64, 256, 3)),
+                                # Not transposed at 17 rows. At 16 (16x8192x4096),
                                 # 64x256 tiles in 8 ranges of 1024 ran 7% slower.
-                                ((16, 8192, 4096), (64, 128, 4)),
+                                ((17, 8192, 4096), (64, 128, 4)),
                                 ((64, 8192, 8192), (64, 128, 2)),
                                 ((16, 8192, 57344), (64, 512, 1)),
                                 ((16, 5120, 55296), (64, 512, 1)),
@@ -476,6 +480,46 @@ class ConfigChoiceTest(parameterized.TestCase):
                          f"{m}x{k}x{n} {layout.name} -> {jnp.dtype(out_dtype).name}")
         kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k), out_dtype,
                                     has_bias=True)
+
+  def test_heuristic_transposed_decode(self):
+    """At most 16 rows of an (M, K) LHS, with an output 65-8192 columns wide
+    and weight rows on 128 bytes, run as the transposed product
+    (`TuningConfig.swap_operands`) in the 16-column tiles of an (N', K) RHS:
+    the activations' rows are never read past M as a 64-row LHS tile
+    (16x4096x4096 on an H100: 0.76x -> 1.06x jnp.dot). Wider outputs, more
+    rows, a (K, M) LHS, outputs at most 64 columns wide, weight rows off 128
+    bytes and kernels that run only the cooperative schedule on the problem
+    as given keep their configs."""
+    nn, nt, tn = base.LAYOUTS[0], base.LAYOUTS[1], base.LAYOUTS[2]
+    for (m, k, n), layout, transposed in (((16, 4096, 4096), nn, True),
+                                          ((1, 4544, 4544), nn, True),
+                                          ((16, 8192, 128), nn, True),
+                                          ((16, 8192, 8192), nn, True),
+                                          ((8, 4096, 4096), nt, True),
+                                          ((16, 8192, 8193), nn, False),
+                                          ((17, 4096, 4096), nn, False),
+                                          ((16, 4096, 4096), tn, False),
+                                          ((16, 4096, 64), nn, False),
+                                          # Weight rows off 128 bytes: read in place.
+                                          ((1, 8192, 3000), nn, False)):
+      problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16), layout=layout)
+      what = f"{m}x{k}x{n} {layout.name}"
+      for out_dtype in (jnp.bfloat16, jnp.float32):
+        config = default_config(problem, out_dtype)
+        self.assertEqual(config.swap_operands, transposed, what)
+        kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k), out_dtype,
+                                    has_bias=True)
+        if transposed:
+          self.assertEqual(config, dataclasses.replace(
+              default_config(problem.transposed(), jnp.float32), swap_operands=True), what)
+      self.assertFalse(default_config(problem, jnp.bfloat16, cooperative_only=True).swap_operands)
+    config = default_config(ops.MatmulProblem(m=16, k=4096, n=4096, dtype=jnp.dtype(jnp.bfloat16)),
+                            jnp.bfloat16)
+    problem = ops.MatmulProblem(m=16, k=4096, n=4096, dtype=jnp.dtype(jnp.bfloat16))
+    for kwargs in (dict(gated=True), dict(grouped=True), dict(has_column_scales=True),
+                   dict(kernel="all_gather_matmul")):
+      with self.assertRaisesRegex(ValueError, "swap_operands runs only in ws_matmul"):
+        kernel_call.check_ws_config(config, problem, jnp.bfloat16, **kwargs)
 
   def test_heuristic_stages(self):
     """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
@@ -578,9 +622,11 @@ class ConfigChoiceTest(parameterized.TestCase):
   def test_heuristic_splits_k_steps_unevenly(self):
     """K's steps need not divide into the ranges of a split: 1x4544x4544
     (71 steps, a prime count) was left unsplit on 36 of 132 SMs, 19.1 us on an
-    H200; in 3 ranges of 24 steps (the last ending past K), 14.7 us."""
-    for (m, k, n), expected in (((1, 4544, 4544), (64, 128, 3)),
-                                ((16, 5120, 5120), (64, 128, 3))):  # 80 steps: 17.7 -> 15.3 us.
+    H200; in 3 ranges of 24 steps (the last ending past K), 14.7 us. Both
+    problems now run as their transpose (`test_heuristic_transposed_decode`),
+    whose 128x16 tiles of out.T split K the same way."""
+    for (m, k, n), expected in (((1, 4544, 4544), (128, 16, 3)),
+                                ((16, 5120, 5120), (128, 16, 3))):  # 80 steps: 17.7 -> 15.3 us.
       self.assert_cta_tile_and_splits((m, k, n), jnp.bfloat16, expected)
 
 

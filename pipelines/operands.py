@@ -71,6 +71,14 @@ class MatmulProblem:
     """Whether M, N or K is 0: the product is all zeros (or has no elements)."""
     return not (self.m and self.k and self.n)
 
+  def transposed(self) -> MatmulProblem:
+    """The problem of out.T = op(rhs).T @ op(lhs).T, (N, K, M): the RHS array
+    is its LHS and the LHS array its RHS, each still read as stored (a (K, N)
+    RHS is a (K, M') LHS, an (M, K) LHS an (N', K) RHS)."""
+    layout = OperandLayout(transpose_lhs=not self.layout.transpose_rhs,
+                           transpose_rhs=not self.layout.transpose_lhs)
+    return dataclasses.replace(self, m=self.n, n=self.m, layout=layout)
+
 
 def check_operands(lhs, rhs, layout: OperandLayout = NN,
                    dtypes: tuple = OPERAND_DTYPES) -> MatmulProblem:
