@@ -20,6 +20,7 @@ from pipelines import (
   MatmulDimension,
   Schedule,
   TuningConfig,
+  default_config,
   matmul,
   matmul_reference,
   pallas_call_matmul,
@@ -27,6 +28,7 @@ from pipelines import (
   ws_matmul,
 )
 from pipelines import matmul_test_base as base
+from pipelines import operands as ops
 
 # XLA sizes its CPU thread pool when jax starts the CPU backend, which no
 # import above does: size it for two simulated devices' kernels at once.
@@ -77,6 +79,14 @@ class MatmulGradTest(testing.KernelTestCase):
         self.assertEqual((got.shape, got.dtype), (primal.shape, primal.dtype))
         # The cotangent enters the backward products in the operand dtype.
         self.assert_close(got, want, dtype=dtype)
+
+  def test_transposed_decode_product(self):
+    """16 rows, which the heuristic runs as the transposed product
+    (`swap_operands`), as is d lhs (16 rows again); d rhs is not."""
+    problem = ops.MatmulProblem(m=16, k=128, n=192, dtype=jnp.dtype(jnp.bfloat16))
+    with testing.facts_of_the_fitted_gpu():
+      self.assertTrue(default_config(problem, jnp.float32).swap_operands)
+    self.check_grads((16, 128, 192))
 
   @parameterized.product(activation=ACTIVATIONS, layout_index=list(range(len(base.LAYOUTS))))
   def test_epilogues_and_layouts_on_ragged_shapes(self, activation, layout_index):

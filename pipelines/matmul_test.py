@@ -77,6 +77,24 @@ class MatmulApiTest(testing.KernelTestCase):
     self.assert_close(out, jnp.einsum("bmk,bkn->bmn", lhs.astype(jnp.float32),
                                       rhs_batch.astype(jnp.float32)), dtype=jnp.float16)
 
+  def test_transposed_decode_under_vmap(self):
+    """The heuristic's transposed product for 16 rows (`swap_operands`) under
+    vmap: 3 batches of 16 rows run as 48, in the config of 16, with a bias
+    and gelu (its gradients: `matmul_grad_test`)."""
+    lhs = testing.random_array(14, (3, 16, 128), jnp.bfloat16)
+    rhs = testing.random_array(15, (128, 192), jnp.bfloat16)
+    bias = testing.random_array(16, (192,), jnp.float32)
+    problem = ops.MatmulProblem(m=16, k=128, n=192, dtype=jnp.dtype(jnp.bfloat16))
+    with testing.facts_of_the_fitted_gpu():
+      self.assertTrue(default_config(problem, jnp.bfloat16).swap_operands)
+    layer = jax.vmap(functools.partial(matmul, activation="gelu"), in_axes=(0, None, None))
+    out = self.run_kernel(jax.jit(layer), lhs, rhs, bias)
+    reference = jax.vmap(functools.partial(
+        matmul_reference, epilogue=Epilogue(activation="gelu", has_bias=True)),
+        in_axes=(0, None, None))
+    self.assert_close(out, reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), bias),
+                      dtype=jnp.bfloat16)
+
   def test_inside_shard_map(self):
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
