@@ -33,7 +33,8 @@ def parse_shape(text: str, rank: int = 3) -> tuple[int, ...]:
 
 
 def parse_config[T](cls: type[T], text: str) -> T:
-  """Builds dataclass `cls` from "field=value,...": ints, and enum members by name."""
+  """Builds dataclass `cls` from "field=value,...": ints, booleans ("true" or
+  "false") and enum members by name, each as the field's default is typed."""
   types = {f.name: f.type for f in dataclasses.fields(cls)}
   defaults = cls()
   kwargs = {}
@@ -42,7 +43,15 @@ def parse_config[T](cls: type[T], text: str) -> T:
     if name not in types:
       raise ValueError(f"{cls.__name__} has no field {name!r}; fields: {sorted(types)}")
     current = getattr(defaults, name)
-    kwargs[name] = type(current)[value] if isinstance(current, enum.Enum) else int(value)
+    if isinstance(current, enum.Enum):
+      kwargs[name] = type(current)[value]
+    elif isinstance(current, bool):  # Before int: a bool is an int.
+      if value.lower() not in ("true", "false"):
+        raise ValueError(f"{cls.__name__}.{name} is a bool: give {name}=true or {name}=false, "
+                         f"not {value!r}")
+      kwargs[name] = value.lower() == "true"
+    else:
+      kwargs[name] = int(value)
   return cls(**kwargs)
 
 

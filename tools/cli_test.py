@@ -1,5 +1,7 @@
 """The tools' shared command-line pieces: where results go, help, jax's TPU line."""
 
+import dataclasses
+import enum
 import logging
 import os
 import subprocess
@@ -10,6 +12,34 @@ from unittest import mock
 from absl.testing import absltest
 
 from tools import cli
+
+
+class _Order(enum.Enum):
+  ROWS = 0
+  COLUMNS = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Settings:
+  steps: int = 4
+  width: int | None = None
+  order: _Order = _Order.ROWS
+  transposed: bool = False
+
+
+class ParseConfigTest(absltest.TestCase):
+
+  def test_ints_enums_and_bools(self):
+    self.assertEqual(cli.parse_config(_Settings, "steps=8,width=64,order=COLUMNS,transposed=true"),
+                     _Settings(steps=8, width=64, order=_Order.COLUMNS, transposed=True))
+    self.assertEqual(cli.parse_config(_Settings, "transposed=False"), _Settings())
+    self.assertEqual(cli.parse_config(_Settings, ""), _Settings())
+
+  def test_errors_name_the_field(self):
+    with self.assertRaisesRegex(ValueError, "has no field 'stages'"):
+      cli.parse_config(_Settings, "stages=4")
+    with self.assertRaisesRegex(ValueError, "transposed=true or transposed=false, not '1'"):
+      cli.parse_config(_Settings, "transposed=1")
 
 
 class UserPathTest(absltest.TestCase):
