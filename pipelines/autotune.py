@@ -23,6 +23,7 @@ from core import timing
 from core.numerics import RELATIVE_TOLERANCE, relative_error
 from pipelines import kernel_call, operands, tuning_cache
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
+from pipelines.heuristic import default_config
 from pipelines.reference import matmul_reference
 
 _log = logging.getLogger(__name__)
@@ -170,7 +171,10 @@ def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
       compiles and times kernels, so it cannot run under `jax.jit` or another
       transformation.
     layout: how the operands are stored; part of the tuning-cache key.
-    space: a `SearchSpace`, or the configs to try.
+    space: a `SearchSpace`, whose sweep also weighs the heuristic's config
+      (`default_config`: split K, the decode tiles and the transposed decode
+      product lie outside the default grid, so a tuned config is never the
+      slower of the two); or exactly the configs to try.
     timer: `timer(fn, args) -> median microseconds`; CUPTI timing on the GPU by default.
     store: write the winner to the tuning cache (or, if that cannot be written,
       to the fallback file `tuning_cache.store` names; see `Sweep.stored_at`).
@@ -196,6 +200,10 @@ def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
   if timer is None:
     def timer(fn, args):
       return timing.time_gpu("ws_matmul", fn, args, flops=problem.flops)[0].median_us
+  if isinstance(space, SearchSpace):
+    grid = list(space.configs())
+    heuristic = default_config(problem, out_dtype)
+    space = grid if heuristic in grid else [*grid, heuristic]
   configs, infeasible = _split_feasible(problem, out_dtype, space)
   reference = matmul_reference(lhs, rhs, layout=layout)
   tolerance = RELATIVE_TOLERANCE[problem.dtype]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from absl.testing import absltest
 
 from core import interpret_mode, testing
-from pipelines import autotune, kernel_call, matmul, tuning_cache
+from pipelines import autotune, default_config, kernel_call, matmul, tuning_cache
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.operands import NN, MatmulProblem, OperandLayout
 from pipelines.reference import matmul_reference
@@ -48,7 +48,11 @@ class AutotuneTest(absltest.TestCase):
     feasible = autotune.feasible_configs(problem, jnp.float16, TINY_SPACE)
     # tile_n=512 is not a valid config; 9 steps clamp to 2 K steps (same SMEM).
     self.assertEqual({(c.tile_n, c.max_concurrent_steps) for c in feasible}, {(64, 2), (64, 9)})
-    fake_times = iter([5.0, 3.0])
+    # A space's sweep also times the heuristic's config, last.
+    heuristic = default_config(problem, jnp.float16)
+    self.assertNotIn(heuristic, feasible)
+    feasible.append(heuristic)
+    fake_times = iter([5.0, 3.0, 4.0])
     kernel = mock.Mock(wraps=kernel_call.ws_matmul)
     with interpret_mode(detect_races=False), mock.patch.object(kernel_call, "ws_matmul",
                                                                kernel):
@@ -56,10 +60,36 @@ class AutotuneTest(absltest.TestCase):
                             timer=lambda fn, args: next(fake_times), store=True, log=self.log)
     # Only the feasible configs ran.
     self.assertCountEqual([c.kwargs["config"] for c in kernel.call_args_list], feasible)
-    self.assertEqual([r.median_us for r in sweep.timed], [3.0, 5.0])
+    self.assertEqual([r.median_us for r in sweep.timed], [3.0, 4.0, 5.0])
     self.assertEmpty(sweep.rejected)
     self.assertEqual(sweep.stored_at, pathlib.Path(self.cache))
     self.assertEqual(tuning_cache.lookup(problem, jnp.float16), sweep.best.config)
+
+  def test_a_space_never_tunes_slower_than_the_heuristic(self):
+    """16x4096x4096's heuristic config (the transposed decode product, in K
+    ranges) lies outside a grid of unsplit tiles; the sweep times it too,
+    after the grid, and keeps it where it is the faster."""
+    lhs = testing.random_array(2, (16, 4096), jnp.bfloat16)
+    rhs = testing.random_array(3, (4096, 4096), jnp.bfloat16)
+    problem = MatmulProblem(m=16, k=4096, n=4096, dtype=jnp.dtype(jnp.bfloat16))
+    space = autotune.SearchSpace(tile_m=(64,), tile_n=(128,), max_concurrent_steps=(4,),
+                                 epi_tile=((64, 64),), grid_minor_dim=(MatmulDimension.M,),
+                                 grid_tile_width=(8,), wg_dimension=(MatmulDimension.N,),
+                                 schedule=(Schedule.COOPERATIVE,))
+    (grid_config,) = space.configs()
+    self.enter_context(testing.facts_of_the_fitted_gpu())
+    heuristic = default_config(problem, jnp.bfloat16)
+    self.assertTrue(heuristic.swap_operands)
+
+    def fake_kernel(lhs, rhs, *, config, out_dtype, layout):
+      return matmul_reference(lhs, rhs, layout=layout).astype(out_dtype)
+
+    times = iter([11.0, 8.0])
+    with mock.patch.object(kernel_call, "ws_matmul", fake_kernel):
+      sweep = autotune.tune(lhs, rhs, space=space, timer=lambda fn, args: next(times),
+                            log=self.log)
+    self.assertEqual([(c.config, c.median_us) for c in sweep.timed],
+                     [(heuristic, 8.0), (grid_config, 11.0)])
 
   def test_rejected_configs_are_kept_apart_from_the_timed_ones(self):
     with mock.patch.object(kernel_call, "ws_matmul", fake_ws_matmul):
