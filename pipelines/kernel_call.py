@@ -383,11 +383,9 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
                 *((column_scales,) if scaled else ()))
   if not config.fuses_epilogue:
     # One XLA fusion reads the partials once: sum, bias, activation, cast.
-    pre_activation = Epilogue().apply_to_sum(outs[0][:, :m, :n].sum(axis=0),
-                                             None if bias is None else bias[:n])
-    out, derivative = epilogue.apply_and_derivative(pre_activation)
-    outs = (out.astype(out_dtype),
-            *((derivative.astype(derivative_dtype(out_dtype)),) if keep_derivative else ()))
+    outs = _epilogue_in_xla(outs[0][:, :m, :n].sum(axis=0), None if bias is None else bias[:n],
+                            epilogue=epilogue, out_dtype=out_dtype,
+                            keep_derivative=keep_derivative)
   elif quantized:
     values, scales = outs
     return values[:m, :n], scales.T[:m, :scales_shape((m, n), ROW_BLOCK)[1]]
@@ -406,9 +404,19 @@ def _ws_transposed_product(lhs, rhs, bias, *, config: TuningConfig, epilogue: Ep
   kernel_config, transposed, _ = transposed_product_kernel(config, problem)
   product = ws_matmul(rhs, lhs, config=kernel_config, out_dtype=jnp.float32,
                       layout=transposed.layout)
-  out, derivative = epilogue.apply_and_derivative(Epilogue().apply_to_sum(product.T, bias))
-  out = out.astype(out_dtype)
-  return (out, derivative.astype(derivative_dtype(out_dtype))) if keep_derivative else out
+  outs = _epilogue_in_xla(product.T, bias, epilogue=epilogue, out_dtype=out_dtype,
+                          keep_derivative=keep_derivative)
+  return outs if keep_derivative else outs[0]
+
+
+def _epilogue_in_xla(product, bias, *, epilogue: Epilogue, out_dtype,
+                     keep_derivative: bool) -> tuple[jax.Array, ...]:
+  """(output,) or (output, derivative) of `epilogue` applied by XLA to a float32
+  (M, N) `product` that a kernel left without it (a split K's summed partials,
+  the transposed product's transpose), with `bias` (N,) or None."""
+  out, derivative = epilogue.apply_and_derivative(Epilogue().apply_to_sum(product, bias))
+  return (out.astype(out_dtype),
+          *((derivative.astype(derivative_dtype(out_dtype)),) if keep_derivative else ()))
 
 
 def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | None, *,

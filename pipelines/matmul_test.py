@@ -531,9 +531,8 @@ class ConfigChoiceTest(parameterized.TestCase):
           self.assertEqual(config, dataclasses.replace(
               default_config(problem.transposed(), jnp.float32), swap_operands=True), what)
       self.assertFalse(default_config(problem, jnp.bfloat16, cooperative_only=True).swap_operands)
-    config = default_config(ops.MatmulProblem(m=16, k=4096, n=4096, dtype=jnp.dtype(jnp.bfloat16)),
-                            jnp.bfloat16)
     problem = ops.MatmulProblem(m=16, k=4096, n=4096, dtype=jnp.dtype(jnp.bfloat16))
+    config = default_config(problem, jnp.bfloat16)
     for kwargs in (dict(gated=True), dict(grouped=True), dict(has_column_scales=True),
                    dict(kernel="all_gather_matmul")):
       with self.assertRaisesRegex(ValueError, "swap_operands runs only in ws_matmul"):
