@@ -362,8 +362,9 @@ class TuningConfig:
       L2 half as often, which is what a (K, N) RHS read in place with rows off
       128 bytes needs (each row of a tile then spans one more 128-byte line).
     swap_operands: the kernel computes the transposed product, out.T =
-      op(rhs).T @ op(lhs).T, in float32, each operand still read as stored
-      (`MatmulProblem.transposed`), and XLA transposes it in the pass that
+      op(rhs).T @ op(lhs).T, in float32, the RHS read as stored and the LHS's
+      rows as an (N', K) RHS (a (K, M) LHS transposed by XLA first:
+      `MatmulProblem.transposed_product`), and XLA transposes it in the pass that
       sums the partials of a split K and applies the bias, activation and
       cast (`ws_matmul` only). The other fields are that product's config.
       It serves decode-size M: an (M, K) LHS of a few rows becomes an

@@ -134,7 +134,7 @@ _NARROW_TILE = (_TILE_128X64, 1.0)
 _NARROW_TRANSPOSED_RHS_MAX_N = 16
 _NARROW_TRANSPOSED_RHS_TILE = TuningConfig(tile_m=64, tile_n=16, epi_tile_n=16,
                                            wg_dimension=MatmulDimension.M)
-# Decode-size products (M <= 16 rows of an (M, K) LHS) whose weights are
+# Decode-size products (M <= 16 rows) whose weights are
 # at most `_TRANSPOSED_DECODE_MAX_N` wide run as their transpose
 # (`TuningConfig.swap_operands`): out.T = W.T @ x.T, the activations an (N', K)
 # RHS under the 16-column tile above, in float32, transposed by XLA in the
@@ -147,6 +147,15 @@ _NARROW_TRANSPOSED_RHS_TILE = TuningConfig(tile_m=64, tile_n=16, epi_tile_n=16,
 # jnp.dot; 16x3072x3072: 0.81x -> 1.11x), 0.4% and 2.3% slower on
 # 16x4096x6144 and 1x8192x3072, and slower on 8 of 10 wider ones (its
 # 128-row tiles along N fall into part-empty waves: 16x4096x28672 0.96x -> 0.90x).
+# A (K, M) LHS (LoRA B's weight gradient, M = its rank) is transposed by XLA
+# first, so its rows are an (N', K) RHS too: read as stored, a (K, N') RHS of
+# 16 columns is rows of 32 bytes in a narrow swizzle, and ran 0.70x jnp.dot at
+# 16x4096x4096 (H100). With the copy, on an H100 (2 rounds of 20 calls;
+# docs/performance-log.md, "The check half on an H100, and a (K, M) LHS at
+# decode size"), 8x4096x4096 TN (fit half) ran 0.56-0.58x -> 0.79-0.80x
+# jnp.dot, and 13 of 16 problem-dtypes of no suite (TN, TT, M = 1-16) ran
+# 1.01-1.22x faster; 8x14336x4096 0.8-2.7% slower, 16x8192x8192 0.6% slower
+# in bf16.
 _TRANSPOSED_DECODE_MAX_N = 8192
 _NARROW_DECODE_TILE = (TuningConfig(tile_m=64, tile_n=32, epi_tile_n=32,
                                     wg_dimension=MatmulDimension.N), 1.0)
@@ -644,9 +653,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   LHS's M would be padded, the K step is 32 elements, so that the LHS is
   read in place (`_with_one_segment_k_step`; 100x8192x4000: 10-12% faster).
 
-  Decode-size products (at most 16 rows of an (M, K) LHS) whose output is
-  65-8192 columns wide and whose weight rows are whole 128-byte segments run
-  as their transpose, out.T = op(rhs).T @ op(lhs).T
+  Decode-size products (at most 16 rows of an LHS of either layout) whose
+  output is 65-8192 columns wide and whose weight rows are whole 128-byte
+  segments run as their transpose, out.T = op(rhs).T @ op(lhs).T
   (`TuningConfig.swap_operands`, `_TRANSPOSED_DECODE_MAX_N`), in this
   heuristic's config for that product: the activations' rows are then an RHS
   tile's, which no TMA load reads past (16x4096x4096: 1.39x faster in bf16,
@@ -660,7 +669,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
       as given (the grouped matmul, the quantized output).
   """
   if not cooperative_only and _runs_transposed(problem):
-    return dataclasses.replace(default_config(problem.transposed(), jnp.float32),
+    return dataclasses.replace(default_config(problem.transposed_product(), jnp.float32),
                                swap_operands=True)
   config = _finished_config(problem, out_dtype, cooperative_only=cooperative_only)
   if config.schedule == Schedule.PINGPONG:
@@ -676,12 +685,12 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
 
 def _runs_transposed(problem: operands.MatmulProblem) -> bool:
   """Whether `default_config` has `problem` run as its transpose: decode-size
-  M of an (M, K) LHS, an output 65-8192 columns wide, and weights whose rows
+  M (an LHS of either layout), an output 65-8192 columns wide, and weights whose rows
   are whole 128-byte swizzle segments. As the transposed product's LHS,
   weights with rows off them would be padded, or read with a narrower
   swizzle, where today's decode tiles read them in place (1x8192x3000)."""
   weight_row = problem.k if problem.layout.transpose_rhs else problem.n
-  return (problem.m <= _NARROW_TRANSPOSED_RHS_MAX_N and not problem.layout.transpose_lhs
+  return (problem.m <= _NARROW_TRANSPOSED_RHS_MAX_N
           and _NARROW_MAX_N < problem.n <= _TRANSPOSED_DECODE_MAX_N
           and weight_row * problem.dtype.itemsize % max(SWIZZLE_BYTES) == 0)
 

@@ -94,9 +94,9 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
 def transposed_product_kernel(config: TuningConfig, problem: operands.MatmulProblem
                               ) -> tuple[TuningConfig, operands.MatmulProblem, jnp.dtype]:
   """(config, problem, out_dtype) of the kernel that runs a config with
-  `swap_operands`: out.T's problem (`MatmulProblem.transposed`) in float32,
+  `swap_operands`: out.T's problem (`MatmulProblem.transposed_product`) in float32,
   without a bias (`ws_matmul` adds it after the transpose)."""
-  return (dataclasses.replace(config, swap_operands=False), problem.transposed(),
+  return (dataclasses.replace(config, swap_operands=False), problem.transposed_product(),
           jnp.dtype(jnp.float32))
 
 
@@ -400,8 +400,11 @@ def _ws_transposed_product(lhs, rhs, bias, *, config: TuningConfig, epilogue: Ep
                            out_dtype, problem: operands.MatmulProblem, keep_derivative: bool):
   """`ws_matmul` for a config with `swap_operands`: the kernel writes out.T =
   op(rhs).T @ op(lhs).T in float32 (or its K ranges' partials), and one XLA
-  pass sums, transposes, adds the bias and applies the activation."""
+  pass sums, transposes, adds the bias and applies the activation. A (K, M)
+  LHS is transposed by XLA first (`MatmulProblem.transposed_product`)."""
   kernel_config, transposed, _ = transposed_product_kernel(config, problem)
+  if problem.layout.transpose_lhs:
+    lhs = lhs.T  # The kernel reads the activations as (N', K) rows.
   product = ws_matmul(rhs, lhs, config=kernel_config, out_dtype=jnp.float32,
                       layout=transposed.layout)
   outs = _epilogue_in_xla(product.T, bias, epilogue=epilogue, out_dtype=out_dtype,

@@ -500,15 +500,15 @@ class ConfigChoiceTest(parameterized.TestCase):
                                     has_bias=True)
 
   def test_heuristic_transposed_decode(self):
-    """At most 16 rows of an (M, K) LHS, with an output 65-8192 columns wide
-    and weight rows on 128 bytes, run as the transposed product
+    """At most 16 rows of an LHS of either layout, with an output 65-8192
+    columns wide and weight rows on 128 bytes, run as the transposed product
     (`TuningConfig.swap_operands`) in the 16-column tiles of an (N', K) RHS:
     the activations' rows are never read past M as a 64-row LHS tile
-    (16x4096x4096 on an H100: 0.76x -> 1.06x jnp.dot). Wider outputs, more
-    rows, a (K, M) LHS, outputs at most 64 columns wide, weight rows off 128
-    bytes and kernels that run only the cooperative schedule on the problem
-    as given keep their configs."""
-    nn, nt, tn = base.LAYOUTS[0], base.LAYOUTS[1], base.LAYOUTS[2]
+    (16x4096x4096 on an H100: 0.76x -> 1.06x jnp.dot), and a (K, M) LHS is
+    transposed first. Wider outputs, more rows, outputs at most 64 columns
+    wide, weight rows off 128 bytes and kernels that run only the
+    cooperative schedule on the problem as given keep their configs."""
+    nn, nt, tn, tt = base.LAYOUTS
     for (m, k, n), layout, transposed in (((16, 4096, 4096), nn, True),
                                           ((1, 4544, 4544), nn, True),
                                           ((16, 8192, 128), nn, True),
@@ -516,7 +516,9 @@ class ConfigChoiceTest(parameterized.TestCase):
                                           ((8, 4096, 4096), nt, True),
                                           ((16, 8192, 8193), nn, False),
                                           ((17, 4096, 4096), nn, False),
-                                          ((16, 4096, 4096), tn, False),
+                                          ((16, 4096, 4096), tn, True),
+                                          ((8, 4096, 4096), tt, True),
+                                          ((17, 4096, 4096), tn, False),
                                           ((16, 4096, 64), nn, False),
                                           # Weight rows off 128 bytes: read in place.
                                           ((1, 8192, 3000), nn, False)):
@@ -529,7 +531,7 @@ class ConfigChoiceTest(parameterized.TestCase):
                                     has_bias=True)
         if transposed:
           self.assertEqual(config, dataclasses.replace(
-              default_config(problem.transposed(), jnp.float32), swap_operands=True), what)
+              default_config(problem.transposed_product(), jnp.float32), swap_operands=True), what)
       self.assertFalse(default_config(problem, jnp.bfloat16, cooperative_only=True).swap_operands)
     problem = ops.MatmulProblem(m=16, k=4096, n=4096, dtype=jnp.dtype(jnp.bfloat16))
     config = default_config(problem, jnp.bfloat16)

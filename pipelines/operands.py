@@ -71,12 +71,14 @@ class MatmulProblem:
     """Whether M, N or K is 0: the product is all zeros (or has no elements)."""
     return not (self.m and self.k and self.n)
 
-  def transposed(self) -> MatmulProblem:
-    """The problem of out.T = op(rhs).T @ op(lhs).T, (N, K, M): the RHS array
-    is its LHS and the LHS array its RHS, each still read as stored (a (K, N)
-    RHS is a (K, M') LHS, an (M, K) LHS an (N', K) RHS)."""
-    layout = OperandLayout(transpose_lhs=not self.layout.transpose_rhs,
-                           transpose_rhs=not self.layout.transpose_lhs)
+  def transposed_product(self) -> MatmulProblem:
+    """The problem of the kernel that runs out.T = op(rhs).T @ op(lhs).T
+    (`TuningConfig.swap_operands`), (N, K, M): the RHS array is its LHS, read
+    as stored (a (K, N) RHS is a (K, M') LHS), and the LHS's rows its (N', K)
+    RHS. An (M, K) LHS is read as stored; a (K, M) one is transposed by XLA
+    first (`kernel_call.ws_matmul`): at the few rows this product is for, a
+    (K, N') RHS would be rows of 2-32 bytes, read in narrow swizzles."""
+    layout = OperandLayout(transpose_lhs=not self.layout.transpose_rhs, transpose_rhs=True)
     return dataclasses.replace(self, m=self.n, n=self.m, layout=layout)
 
 
