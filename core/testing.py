@@ -24,6 +24,7 @@ kernel called on a GPU outside `run_kernel` gets whatever memory was there.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from unittest import mock
@@ -37,6 +38,9 @@ from core import device, interpret, jax_private
 from core.numerics import RELATIVE_TOLERANCE, elementwise_violations, relative_error
 
 BACKEND_ENV = "MGPU_TEST_BACKEND"
+# How much less accurate than XLA's result a kernel's may be, as a fraction of
+# XLA's error (`KernelTestCase.assert_as_accurate_as`).
+BASELINE_SLACK = 0.01
 INTERPRET, GPU = "interpret", "gpu"
 
 def backend() -> str:
@@ -57,6 +61,24 @@ def random_array(seed: int, shape, dtype, *, scale: float = 1.0) -> jax.Array:
   """Random normal values (never all zeros) from a fixed `seed`."""
   values = scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
   return values.astype(dtype)
+
+
+def random_size(rng: np.random.Generator, limit: int) -> int:
+  """A dimension in [1, limit] for tests of kernels that take any shape.
+
+  Drawn where kernels break: a quarter below 24 (fewer rows or columns than
+  any tile, K shorter than one step), half within 8 of a multiple of 64 (one
+  past a tile, one short of it, off the 8-row and 16-byte alignments TMA
+  needs), a quarter anywhere. `rng` is seeded by the test, so a failing draw
+  fails again.
+  """
+  kind = rng.integers(4)
+  if kind == 0:
+    return int(rng.integers(1, min(24, limit) + 1))
+  if kind == 3 or limit < 64:
+    return int(rng.integers(1, limit + 1))
+  edge = 64 * int(rng.integers(1, limit // 64 + 1)) + int(rng.integers(-8, 9))
+  return min(max(edge, 1), limit)
 
 
 def poison_device_allocator(nbytes: int) -> None:
@@ -162,6 +184,35 @@ class KernelTestCase(parameterized.TestCase):
       self.assertEqual(bad, 0, f"{bad} of {ref.size} elements outside the {name} "
                        f"element-wise bound; {worst}")
 
+
+  def assert_output_close(self, out, ref, *, operand_dtype):
+    """`out`, of 16-bit operands, against the float32 `ref`: `assert_close`
+    with the operand dtype's bounds (the tables of `core.numerics` are by
+    operand dtype) and, for a float32 `out`, float32's norm-wise tolerance
+    too, so that a float32 output keeps float32's precision. Float32's
+    element-wise bound is for float32 operands: summed in another order, the
+    elements of a 16-bit product move past it where the sum cancels (K =
+    270: 1.5e-5 of an element of 0.2)."""
+    self.assert_close(out, ref, dtype=operand_dtype)
+    if out.dtype == jnp.float32:
+      self.assert_close(out, ref, dtype=jnp.float32,
+                        tolerance=RELATIVE_TOLERANCE[jnp.dtype(jnp.float32)])
+
+  def assert_as_accurate_as(self, out, baseline, ref, *, dtype):
+    """`out` no less accurate than `baseline` (XLA's result of the same 16-bit
+    model) against the float32 `ref`, norm-wise and in elements outside
+    `dtype`'s element-wise bound, up to `BASELINE_SLACK` of the baseline's:
+    where both round the same values to 16 bits, they differ by float32
+    summation order alone (0.03% of the error in float16, seen), while one
+    rounding more than the baseline raises the error by tens of percent."""
+    err, baseline_err = relative_error(out, ref), relative_error(baseline, ref)
+    self.assertLessEqual(err, baseline_err * (1 + BASELINE_SLACK),
+                         f"relative error {err:.6e}, the baseline's {baseline_err:.6e}")
+    bad = elementwise_violations(out, ref, dtype)[0]
+    baseline_bad = elementwise_violations(baseline, ref, dtype)[0]
+    self.assertLessEqual(bad, math.floor(baseline_bad * (1 + BASELINE_SLACK)),
+                         f"{bad} elements outside the {jnp.dtype(dtype).name} element-wise "
+                         f"bound, the baseline's {baseline_bad}")
 
 
 def lowered_for_gpu(fn, *args) -> str:

@@ -99,6 +99,19 @@ class MatmulGradTest(testing.KernelTestCase):
     self.check_grads((128, 128, 128), dtype=dtype, activation="relu", has_bias=has_bias,
                      out_dtype=out_dtype)
 
+  @parameterized.parameters(range(4))
+  def test_random_problems(self, seed):
+    """Drawn problems (`testing.random_size`, up to 200 a side) on the
+    heuristic's configs for the forward and both backward products: each
+    layout, dtype and activation, a bias or none, each output dtype."""
+    rng = np.random.default_rng(100 + seed)
+    shape = tuple(testing.random_size(rng, 200) for _ in range(3))
+    dtype = (jnp.float16, jnp.bfloat16)[rng.integers(2)]
+    self.check_grads(shape, dtype=dtype, activation=ACTIVATIONS[rng.integers(len(ACTIVATIONS))],
+                     has_bias=bool(rng.integers(2)),
+                     out_dtype=(dtype, jnp.float32)[rng.integers(2)],
+                     layout=base.LAYOUTS[rng.integers(len(base.LAYOUTS))], seed=seed)
+
   def test_backward_reads_operands_as_stored(self):
     """The lowered backward pass has matmul kernels and no transpose of an operand."""
     lhs, rhs = base.operands(41, 256, 128, 192, jnp.bfloat16)

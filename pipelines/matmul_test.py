@@ -63,6 +63,25 @@ class MatmulTest(base.MatmulTestBase):
                epilogue=Epilogue(activation="gelu", has_bias=True))
 
 
+  @parameterized.parameters(range(10))
+  def test_random_problems(self, seed):
+    """Drawn problems (`testing.random_size`) on the heuristic's configs, as
+    users call `matmul`: M, K and N up to 300, each layout and dtype, an
+    activation, a bias or none, a float32 output or not, and in some draws
+    the grid capped at 2-4 blocks, so blocks walk several tiles. The other
+    cases pin the shapes they mean; these meet the heuristic's rules in
+    combinations no case names."""
+    rng = np.random.default_rng(seed)
+    shape = tuple(testing.random_size(rng, 300) for _ in range(3))
+    dtype = (jnp.float16, jnp.bfloat16)[rng.integers(2)]
+    epilogue = Epilogue(activation=base.ACTIVATIONS[rng.integers(len(base.ACTIVATIONS))],
+                        has_bias=bool(rng.integers(2)))
+    self.check(shape, dtype, seed=seed, epilogue=epilogue,
+               out_dtype=(None, jnp.float32)[rng.integers(2)],
+               num_blocks=(None, None, 2, 3, 4)[rng.integers(5)],
+               layout=base.LAYOUTS[rng.integers(len(base.LAYOUTS))])
+
+
 class MatmulApiTest(testing.KernelTestCase):
 
   def test_jit_and_vmap(self):
@@ -201,6 +220,32 @@ class ConfigChoiceTest(parameterized.TestCase):
         text = run.trace(lhs, rhs).lower(lowering_platforms=("cuda",)).as_text()
       self.assertEqual(text.count("stablehlo.custom_call @mosaic_gpu"), 1, f"{m}x{k}x{n}")
       self.assertEqual(text.count("stablehlo.pad"), pads, f"{m}x{k}x{n} {layout.name}")
+
+  def test_random_problems_lower_for_the_gpu(self):
+    """Drawn problems up to 16384 a side (`testing.random_size`), each layout
+    and dtype, with a bias and an activation or not, on the heuristic's
+    configs, lowered for an H200 on CPU: where Mosaic GPU checks every TMA
+    copy, swizzle, wgmma and the SMEM size against the arrays (the
+    interpreter does not), at the sizes that take the heuristic's large
+    tiles, splits of K, clusters and transposed products."""
+    if jax.default_backend() == "gpu":
+      self.skipTest("checks the lowering on CPU")
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+      m, k, n = (testing.random_size(rng, 16384) for _ in range(3))
+      dtype = (jnp.float16, jnp.bfloat16)[rng.integers(2)]
+      layout = base.LAYOUTS[rng.integers(len(base.LAYOUTS))]
+      activation = base.ACTIVATIONS[rng.integers(len(base.ACTIVATIONS))]
+      args = [jax.ShapeDtypeStruct(layout.lhs_shape(m, k), dtype),
+              jax.ShapeDtypeStruct(layout.rhs_shape(k, n), dtype)]
+      if rng.integers(2):
+        args.append(jax.ShapeDtypeStruct((n,), jnp.float32))
+      run = functools.partial(matmul, activation=activation, transpose_lhs=layout.transpose_lhs,
+                              transpose_rhs=layout.transpose_rhs)
+      what = f"{m}x{k}x{n} {layout.name} {jnp.dtype(dtype).name} {activation} {len(args)} args"
+      with self.subTest(what):
+        self.assertGreaterEqual(testing.mosaic_kernel_count(testing.lowered_for_gpu(run, *args)),
+                                1, what)
 
   def test_warpgroups_read_their_rhs_tiles_in_place(self):
     """Warpgroups that split N each load their own 64-column RHS tile, one
