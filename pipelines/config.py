@@ -372,6 +372,12 @@ class TuningConfig:
       reach past M, and TMA loads of rows past an array's end are slow
       (16x4096x4096 on an H100: the kernel took 11.0 us, 7.5 us with the
       LHS zero-padded to 64 rows).
+    transpose_rhs_first: a (K, N) RHS is transposed by XLA before the kernel,
+      which reads it as (N, K) rows (`ws_matmul` only; no effect on an RHS
+      stored (N, K); not with `swap_operands`). It serves outputs at most 16
+      columns wide: a (K, N) RHS of so few columns is rows of 16-32 bytes,
+      read in a narrow swizzle, where (N, K) rows are whole 128-byte
+      segments along K under 16-column tiles. The copy is N x K elements.
   """
 
   tile_m: int = 128
@@ -388,6 +394,7 @@ class TuningConfig:
   rhs_tile_n: int | None = None
   cluster_m: int = 1
   swap_operands: bool = False
+  transpose_rhs_first: bool = False
 
   def __post_init__(self):
     _check_tiles(self.tile_m, self.tile_n, self.tile_k)
@@ -408,8 +415,12 @@ class TuningConfig:
       if self.tile_n % self.rhs_tile_n or self.rhs_tile_n % self.epi_tile_n:
         raise ValueError(f"rhs_tile_n={self.rhs_tile_n} must divide tile_n={self.tile_n} and be "
                          f"a multiple of epi_tile_n={self.epi_tile_n}")
-    if not isinstance(self.swap_operands, bool):
-      raise ValueError(f"swap_operands={self.swap_operands!r} must be a bool")
+    for name in ("swap_operands", "transpose_rhs_first"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+    if self.swap_operands and self.transpose_rhs_first:
+      raise ValueError("swap_operands and transpose_rhs_first exclude each other: the "
+                       "transposed product reads the LHS's rows as its RHS")
     if self.cluster_m not in CLUSTER_SIZES:
       raise ValueError(f"cluster_m={self.cluster_m!r} must be one of {CLUSTER_SIZES}")
     for name, default in (("rhs_tile_n", None), ("cluster_m", 1)):

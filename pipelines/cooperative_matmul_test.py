@@ -88,6 +88,23 @@ class CooperativeMatmulTest(base.MatmulTestBase):
                epilogue=Epilogue(activation="gelu", has_bias=True))
 
   @parameterized.product(layout_index=list(range(len(base.LAYOUTS))), k_splits=(1, 2))
+  def test_rhs_transposed_first(self, layout_index, k_splits):
+    """`transpose_rhs_first`: a (K, N) RHS of 12 columns is transposed by XLA
+    and read in 128x16 tiles as (N, K) rows (an (N, K) RHS as stored), ragged
+    M, 3 K steps, unsplit and in 2 ranges, with a bias and gelu."""
+    layout = base.LAYOUTS[layout_index]
+    fields = dict(transpose_rhs_first=True, tile_n=16, epi_tile_n=16,
+                  wg_dimension=MatmulDimension.M, k_splits=k_splits)
+    lhs, rhs = base.operands(67, 200, 192, 12, jnp.float16, layout)
+    jaxpr = jax.make_jaxpr(functools.partial(
+        ws_matmul, config=dataclasses.replace(SMALL_WS, **fields), layout=layout))(lhs, rhs)
+    rhs_transposes = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "transpose"
+                      and e.invars[0].aval.shape == (192, 12)]
+    self.assertLen(rhs_transposes, 0 if layout.transpose_rhs else 1)
+    self.check((200, 192, 12), jnp.float16, seed=67, layout=layout, num_blocks=2,
+               config_fields=fields, epilogue=Epilogue(activation="gelu", has_bias=True))
+
+  @parameterized.product(layout_index=list(range(len(base.LAYOUTS))), k_splits=(1, 2))
   def test_transposed_product(self, layout_index, k_splits):
     """`swap_operands`: the kernel computes out.T, here in 128x16 tiles of
     its own (the heuristic's for decode-size M), on 2 blocks; M = 12 rows

@@ -134,6 +134,10 @@ _NARROW_TILE = (_TILE_128X64, 1.0)
 _NARROW_TRANSPOSED_RHS_MAX_N = 16
 _NARROW_TRANSPOSED_RHS_TILE = TuningConfig(tile_m=64, tile_n=16, epi_tile_n=16,
                                            wg_dimension=MatmulDimension.M)
+# Such outputs over an RHS stored (K, N) (LoRA A's product x @ A and its
+# weight gradient) have XLA transpose the RHS first
+# (`TuningConfig.transpose_rhs_first`), a copy of at most 16 x K elements,
+# and take the (N, K) RHS's config above.
 # Decode-size products (M <= 16 rows) whose weights are
 # at most `_TRANSPOSED_DECODE_MAX_N` wide run as their transpose
 # (`TuningConfig.swap_operands`): out.T = W.T @ x.T, the activations an (N', K)
@@ -671,6 +675,11 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   if not cooperative_only and _runs_transposed(problem):
     return dataclasses.replace(default_config(problem.transposed_product(), jnp.float32),
                                swap_operands=True)
+  if not cooperative_only and _transposes_rhs_first(problem):
+    rhs_transposed = dataclasses.replace(
+        problem, layout=dataclasses.replace(problem.layout, transpose_rhs=True))
+    return dataclasses.replace(default_config(rhs_transposed, out_dtype),
+                               transpose_rhs_first=True)
   config = _finished_config(problem, out_dtype, cooperative_only=cooperative_only)
   if config.schedule == Schedule.PINGPONG:
     # Ping-pong's tiles have no one-segment RHS tiles nor clusters, so where
@@ -693,6 +702,14 @@ def _runs_transposed(problem: operands.MatmulProblem) -> bool:
   return (problem.m <= _NARROW_TRANSPOSED_RHS_MAX_N
           and _NARROW_MAX_N < problem.n <= _TRANSPOSED_DECODE_MAX_N
           and weight_row * problem.dtype.itemsize % max(SWIZZLE_BYTES) == 0)
+
+
+def _transposes_rhs_first(problem: operands.MatmulProblem) -> bool:
+  """Whether `default_config` has XLA transpose a (K, N) RHS first: an output
+  at most `_NARROW_TRANSPOSED_RHS_MAX_N` wide, over more rows than the narrow
+  decode tile holds (where an (N, K) RHS takes 16-column tiles)."""
+  return (problem.n <= _NARROW_TRANSPOSED_RHS_MAX_N and not problem.layout.transpose_rhs
+          and problem.m > _NARROW_DECODE_TILE[0].cta_tile_m)
 
 
 def quantized_output_config(problem: operands.MatmulProblem) -> TuningConfig:

@@ -75,10 +75,9 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
   `grouped`, its grouped matmul, `ws_ragged_matmul`; with `ragged_k`, the
   grouped matmul's weight gradient, `ws_ragged_k_matmul`; with
   `has_column_scales`, `ws_matmul`'s `column_scales`). For
-  `config.swap_operands`, the SMEM of the transposed product's kernel."""
-  if config.swap_operands:
-    config, problem, out_dtype = transposed_product_kernel(config, problem)
-    has_bias = False
+  `config.swap_operands` or `config.transpose_rhs_first`, the SMEM of the
+  kernel that runs it (`kernel_problem`)."""
+  config, problem, out_dtype, has_bias = kernel_problem(config, problem, out_dtype, has_bias)
   if config.schedule == Schedule.PINGPONG:
     scratch = pingpong_scratch(config, problem.dtype, out_dtype, k=problem.k, has_bias=has_bias,
                                layout=problem.layout)
@@ -91,13 +90,22 @@ def ws_smem_budget(config: TuningConfig, problem: operands.MatmulProblem, out_dt
       scratch, labels={"pipeline_allocs": pipeline_buffer_names(config, gated=gated)})
 
 
-def transposed_product_kernel(config: TuningConfig, problem: operands.MatmulProblem
-                              ) -> tuple[TuningConfig, operands.MatmulProblem, jnp.dtype]:
-  """(config, problem, out_dtype) of the kernel that runs a config with
-  `swap_operands`: out.T's problem (`MatmulProblem.transposed_product`) in float32,
-  without a bias (`ws_matmul` adds it after the transpose)."""
-  return (dataclasses.replace(config, swap_operands=False), problem.transposed_product(),
-          jnp.dtype(jnp.float32))
+def kernel_problem(config: TuningConfig, problem: operands.MatmulProblem, out_dtype,
+                   has_bias: bool) -> tuple[TuningConfig, operands.MatmulProblem, jnp.dtype, bool]:
+  """(config, problem, out_dtype, has_bias) of the kernel that runs `config` on
+  `problem`: for `swap_operands`, out.T's problem
+  (`MatmulProblem.transposed_product`) in float32, without a bias (`ws_matmul`
+  adds it after the transpose); for `transpose_rhs_first`, the problem with
+  its RHS stored (N, K); else the arguments."""
+  if config.swap_operands:
+    return (dataclasses.replace(config, swap_operands=False), problem.transposed_product(),
+            jnp.dtype(jnp.float32), False)
+  if config.transpose_rhs_first:
+    return (dataclasses.replace(config, transpose_rhs_first=False),
+            dataclasses.replace(problem, layout=dataclasses.replace(problem.layout,
+                                                                    transpose_rhs=True)),
+            out_dtype, has_bias)
+  return config, problem, out_dtype, has_bias
 
 
 def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_dtype, *,
@@ -124,17 +132,18 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
   the cooperative schedule without a split of K. An e4m3 `out_dtype` (the
   output quantized in the epilogue) needs that too, 128-column epilogue
   tiles (one quantization block each) and no cluster. `config.swap_operands`
-  is `ws_matmul`'s alone, without column scales or a quantized output; its
-  other fields are checked against the transposed product.
+  and `config.transpose_rhs_first` are `ws_matmul`'s alone, without column
+  scales or a quantized output; the other fields are checked against the
+  kernel that runs them (`kernel_problem`).
   """
-  if config.swap_operands:
-    if (gated or grouped or ragged_k or has_column_scales or delay_release or kernel is not None
-        or jnp.dtype(out_dtype) == FP8_DTYPE):
-      raise ValueError(f"{config!r}: swap_operands runs only in ws_matmul's plain product, "
-                       "not in the gated unit, the grouped matmul or a ring kernel, nor with "
-                       "column scales or a float8_e4m3fn output; use swap_operands=False")
-    config, problem, out_dtype = transposed_product_kernel(config, problem)
-    has_bias = False
+  for name in ("swap_operands", "transpose_rhs_first"):
+    if getattr(config, name) and (gated or grouped or ragged_k or has_column_scales
+                                  or delay_release or kernel is not None
+                                  or jnp.dtype(out_dtype) == FP8_DTYPE):
+      raise ValueError(f"{config!r}: {name} runs only in ws_matmul's plain product, not in "
+                       "the gated unit, the grouped matmul or a ring kernel, nor with column "
+                       f"scales or a float8_e4m3fn output; use {name}=False")
+  config, problem, out_dtype, has_bias = kernel_problem(config, problem, out_dtype, has_bias)
   if jnp.dtype(out_dtype) == FP8_DTYPE and (
       config.schedule != Schedule.COOPERATIVE or config.k_splits != 1
       or config.epi_tile_n != FP8_SCALE_BLOCK or config.cluster_m != 1):
@@ -188,8 +197,9 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
 def ws_tma_sizes(config: TuningConfig, problem: operands.MatmulProblem,
                  out_dtype) -> operands.TmaSizes:
   """The shapes `ws_matmul` pads the operands and its output to for `config`
-  (`operands.tma_sizes`), a config without `swap_operands` (for one with it,
-  `transposed_product_kernel` gives the kernel's config and problem)."""
+  (`operands.tma_sizes`), a config without `swap_operands` or
+  `transpose_rhs_first` (for one with them, `kernel_problem` gives the
+  kernel's config and problem)."""
   # K is never padded: TMA fills what a last K step, or a split's last K
   # range, reads past the end with zeros (`TuningConfig.split_k_steps`).
   return operands.tma_sizes(problem, out_dtype=config.store_dtype(out_dtype),
@@ -334,6 +344,13 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
       return out
     pre_activation = empty_result(problem, jnp.float32, (lhs, rhs), bias, Epilogue())
     return out, epilogue.derivative(pre_activation).astype(derivative_dtype(out_dtype))
+  if config.transpose_rhs_first:
+    # The kernel reads the RHS as (N, K) rows; XLA copies a (K, N) one.
+    return ws_matmul(lhs, rhs if layout.transpose_rhs else rhs.T, bias,
+                     config=dataclasses.replace(config, transpose_rhs_first=False),
+                     epilogue=epilogue, out_dtype=out_dtype,
+                     layout=dataclasses.replace(layout, transpose_rhs=True),
+                     keep_derivative=keep_derivative, column_scales=column_scales)
   if config.swap_operands:
     return _ws_transposed_product(lhs, rhs, bias, config=config, epilogue=epilogue,
                                   out_dtype=out_dtype, problem=problem,
@@ -402,7 +419,7 @@ def _ws_transposed_product(lhs, rhs, bias, *, config: TuningConfig, epilogue: Ep
   op(rhs).T @ op(lhs).T in float32 (or its K ranges' partials), and one XLA
   pass sums, transposes, adds the bias and applies the activation. A (K, M)
   LHS is transposed by XLA first (`MatmulProblem.transposed_product`)."""
-  kernel_config, transposed, _ = transposed_product_kernel(config, problem)
+  kernel_config, transposed, _, _ = kernel_problem(config, problem, jnp.float32, False)
   if problem.layout.transpose_lhs:
     lhs = lhs.T  # The kernel reads the activations as (N', K) rows.
   product = ws_matmul(rhs, lhs, config=kernel_config, out_dtype=jnp.float32,

@@ -516,7 +516,8 @@ class ConfigChoiceTest(parameterized.TestCase):
                                 ((1000, 4096, 64), (128, 64, 13)),
                                 ((2048, 4096, 32), (128, 64, 8)),
                                 ((4096, 4096, 64), (128, 64, 4)),
-                                ((4096, 14336, 16), (128, 64, 4)),
+                                # 16 columns: 128x16 over the RHS transposed first.
+                                ((4096, 14336, 16), (128, 16, 4)),
                                 ((8192, 4096, 64), (128, 64, 1)),  # 64 tiles: a split lost.
                                 ((32768, 4096, 48), (128, 64, 1))):
       self.assert_cta_tile_and_splits((m, k, n), jnp.float16, expected)
@@ -525,15 +526,16 @@ class ConfigChoiceTest(parameterized.TestCase):
 
   def test_heuristic_sixteen_column_tiles_over_a_transposed_rhs(self):
     """Outputs at most 16 columns wide with an (N, K) RHS (NT, TT) above 64
-    rows take 128x16 CTA tiles in the 128x64 tile's split of K; a (K, N) RHS,
-    wider outputs and decode-size M keep their tiles."""
+    rows take 128x16 CTA tiles in the 128x64 tile's split of K, as does a
+    (K, N) RHS transposed first (`TuningConfig.transpose_rhs_first`); wider
+    outputs and decode-size M keep their tiles."""
     nn, nt, tn, tt = base.LAYOUTS[0], base.LAYOUTS[1], base.LAYOUTS[2], base.LAYOUTS[3]
     for (m, k, n), layout, expected in (((4096, 4096, 8), nt, (128, 16, 4)),
                                         ((4096, 4096, 16), tt, (128, 16, 4)),
                                         ((4096, 18944, 16), nt, (128, 16, 4)),
                                         ((4096, 8, 16), nt, (128, 16, 1)),
-                                        ((4096, 4096, 16), nn, (128, 64, 4)),
-                                        ((4096, 4096, 16), tn, (128, 64, 4)),
+                                        ((4096, 4096, 16), nn, (128, 16, 4)),
+                                        ((4096, 4096, 16), tn, (128, 16, 4)),
                                         ((4096, 4096, 32), nt, (128, 64, 4)),
                                         ((64, 4096, 16), nt, (64, 64, 16))):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16), layout=layout)
@@ -554,36 +556,62 @@ class ConfigChoiceTest(parameterized.TestCase):
     wide, weight rows off 128 bytes and kernels that run only the
     cooperative schedule on the problem as given keep their configs."""
     nn, nt, tn, tt = base.LAYOUTS
-    for (m, k, n), layout, transposed in (((16, 4096, 4096), nn, True),
-                                          ((1, 4544, 4544), nn, True),
-                                          ((16, 8192, 128), nn, True),
-                                          ((16, 8192, 8192), nn, True),
-                                          ((8, 4096, 4096), nt, True),
-                                          ((16, 8192, 8193), nn, False),
-                                          ((17, 4096, 4096), nn, False),
-                                          ((16, 4096, 4096), tn, True),
-                                          ((8, 4096, 4096), tt, True),
-                                          ((17, 4096, 4096), tn, False),
-                                          ((16, 4096, 64), nn, False),
-                                          # Weight rows off 128 bytes: read in place.
-                                          ((1, 8192, 3000), nn, False)):
+    self.check_problem_rewrite(
+        "swap_operands",
+        (((16, 4096, 4096), nn, True), ((1, 4544, 4544), nn, True),
+         ((16, 8192, 128), nn, True), ((16, 8192, 8192), nn, True),
+         ((8, 4096, 4096), nt, True), ((16, 8192, 8193), nn, False),
+         ((17, 4096, 4096), nn, False), ((16, 4096, 4096), tn, True),
+         ((8, 4096, 4096), tt, True), ((17, 4096, 4096), tn, False),
+         ((16, 4096, 64), nn, False),
+         # Weight rows off 128 bytes: read in place.
+         ((1, 8192, 3000), nn, False)),
+        lambda problem, out_dtype: default_config(problem.transposed_product(), jnp.float32))
+
+  def test_heuristic_transposes_a_narrow_rhs_first(self):
+    """Outputs at most 16 columns wide over a (K, N) RHS, past 64 rows, have
+    XLA transpose the RHS first (`TuningConfig.transpose_rhs_first`) and take
+    the config of the (N, K) RHS: 16-column tiles of whole 128-byte rows
+    along K. An (N, K) RHS, wider outputs, 64 rows or fewer and kernels that
+    run only the cooperative schedule on the problem as given do not."""
+    nn, nt, tn, tt = base.LAYOUTS
+    self.check_problem_rewrite(
+        "transpose_rhs_first",
+        (((4096, 4096, 8), nn, True), ((3584, 4096, 16), tn, True),
+         ((65, 200, 16), nn, True), ((4096, 4096, 16), nt, False),
+         ((4096, 4096, 16), tt, False), ((4096, 4096, 17), nn, False),
+         ((64, 4096, 16), nn, False)),
+        lambda problem, out_dtype: default_config(dataclasses.replace(
+            problem, layout=dataclasses.replace(problem.layout, transpose_rhs=True)), out_dtype))
+    config = default_config(ops.MatmulProblem(m=4096, k=4096, n=16,
+                                              dtype=jnp.dtype(jnp.bfloat16)), jnp.bfloat16)
+    with self.assertRaisesRegex(ValueError, "exclude each other"):
+      dataclasses.replace(config, swap_operands=True)
+
+  def check_problem_rewrite(self, field: str, cases, rewritten_config) -> None:
+    """For each ((M, K, N), layout, expected) of `cases`, that the heuristic's
+    config sets `field` (a rewrite of `ws_matmul`'s plain product) as
+    expected, that the config is valid, and where it is set, that the config
+    is `rewritten_config(problem, out_dtype)` with it; kernels that run only
+    the cooperative schedule never get it, and the gated unit, the grouped
+    matmul, column scales and the rings reject it."""
+    for (m, k, n), layout, expected in cases:
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(jnp.bfloat16), layout=layout)
       what = f"{m}x{k}x{n} {layout.name}"
       for out_dtype in (jnp.bfloat16, jnp.float32):
         config = default_config(problem, out_dtype)
-        self.assertEqual(config.swap_operands, transposed, what)
+        self.assertEqual(getattr(config, field), expected, what)
         kernel_call.check_ws_config(config, ops.pad_k(problem, config.tile_k), out_dtype,
                                     has_bias=True)
-        if transposed:
-          self.assertEqual(config, dataclasses.replace(
-              default_config(problem.transposed_product(), jnp.float32), swap_operands=True), what)
-      self.assertFalse(default_config(problem, jnp.bfloat16, cooperative_only=True).swap_operands)
-    problem = ops.MatmulProblem(m=16, k=4096, n=4096, dtype=jnp.dtype(jnp.bfloat16))
-    config = default_config(problem, jnp.bfloat16)
-    for kwargs in (dict(gated=True), dict(grouped=True), dict(has_column_scales=True),
-                   dict(kernel="all_gather_matmul")):
-      with self.assertRaisesRegex(ValueError, "swap_operands runs only in ws_matmul"):
-        kernel_call.check_ws_config(config, problem, jnp.bfloat16, **kwargs)
+        if expected:
+          self.assertEqual(config, dataclasses.replace(rewritten_config(problem, out_dtype),
+                                                       **{field: True}), what)
+          for kwargs in (dict(gated=True), dict(grouped=True), dict(has_column_scales=True),
+                         dict(kernel="all_gather_matmul")):
+            with self.assertRaisesRegex(ValueError, f"{field} runs only in ws_matmul"):
+              kernel_call.check_ws_config(config, problem, jnp.bfloat16, **kwargs)
+      self.assertFalse(getattr(default_config(problem, jnp.bfloat16, cooperative_only=True),
+                               field))
 
   def test_heuristic_stages(self):
     """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
