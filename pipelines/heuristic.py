@@ -137,7 +137,14 @@ _NARROW_TRANSPOSED_RHS_TILE = TuningConfig(tile_m=64, tile_n=16, epi_tile_n=16,
 # Such outputs over an RHS stored (K, N) (LoRA A's product x @ A and its
 # weight gradient) have XLA transpose the RHS first
 # (`TuningConfig.transpose_rhs_first`), a copy of at most 16 x K elements,
-# and take the (N, K) RHS's config above.
+# and take the (N, K) RHS's config above, where M is over
+# `_TRANSPOSE_RHS_FIRST_MIN_M`. On an H100 (bf16 and f16, 2 rounds of 20
+# calls, perf/2026-12-05-h100-transpose-rhs-first-ab.json) that ran
+# 1.23-1.31x faster at 4096x4096x8 NN and TN and 4096x4096x16 NN (fit half
+# and narrow suite), 1.01-1.39x on six problems of no suite of 1000-65536
+# rows, and 0.92-0.93x at 256x4096x16, where the copy's microsecond or two is
+# a fifth of the product's time.
+_TRANSPOSE_RHS_FIRST_MIN_M = 256
 # Decode-size products (M <= 16 rows) whose weights are
 # at most `_TRANSPOSED_DECODE_MAX_N` wide run as their transpose
 # (`TuningConfig.swap_operands`): out.T = W.T @ x.T, the activations an (N', K)
@@ -706,10 +713,11 @@ def _runs_transposed(problem: operands.MatmulProblem) -> bool:
 
 def _transposes_rhs_first(problem: operands.MatmulProblem) -> bool:
   """Whether `default_config` has XLA transpose a (K, N) RHS first: an output
-  at most `_NARROW_TRANSPOSED_RHS_MAX_N` wide, over more rows than the narrow
-  decode tile holds (where an (N, K) RHS takes 16-column tiles)."""
+  at most `_NARROW_TRANSPOSED_RHS_MAX_N` wide over more than
+  `_TRANSPOSE_RHS_FIRST_MIN_M` rows (more than the narrow decode tile holds,
+  so an (N, K) RHS takes 16-column tiles)."""
   return (problem.n <= _NARROW_TRANSPOSED_RHS_MAX_N and not problem.layout.transpose_rhs
-          and problem.m > _NARROW_DECODE_TILE[0].cta_tile_m)
+          and problem.m > _TRANSPOSE_RHS_FIRST_MIN_M)
 
 
 def quantized_output_config(problem: operands.MatmulProblem) -> TuningConfig:
