@@ -276,6 +276,14 @@ _PINGPONG_SHORT_K_MAX_EXTRA_WORK = 1.05
 _PINGPONG_MAX_EXTRA_WORK = 1.0
 # K steps for a K that one step covers (`_with_short_k_step`): the 16-bit
 # wgmma's K granule and twice it (32- and 64-byte swizzled rows).
+# Where it takes such a step, the cooperative schedule is kept over the
+# ping-pong tile (`default_config`), which hides an epilogue under a K loop
+# that is here one step: in the ping-pong tile's 64-element steps
+# the heuristic's configs ran at 0.82-0.93x jnp.dot on six problems of no
+# suite (2048-16384 x 8-32 x 3584-28672, bf16, an H100), and the cooperative
+# 128x256 tile in a short step 1.05-1.17x faster than those, and 1.02-1.04x
+# faster than ping-pong in a short step on five of the six
+# (perf/2026-12-05-h100-short-k-schedules.json).
 _SHORT_K_STEPS = (16, 32)
 _SHORT_K_EPI_TILE_N = 64
 
@@ -656,7 +664,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
 
   A K of 32 or less (LoRA ranks) takes one K step as long as K, 16 or 32
   elements, with 64-column epilogue tiles (`_with_short_k_step`; 4096x8x4096:
-  1.27x faster than in a 64-element step).
+  1.27x faster than in a 64-element step), on the cooperative schedule even
+  where the ping-pong tile would take the problem (2048x8x11008: 1.17x faster
+  on an H100).
 
   A 16-bit output that 128-column epilogue tiles would pad (N = 4040) gets
   64-column ones, stored in place (`_with_unpadded_output`; 5-34% faster on
@@ -689,11 +699,13 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
                                transpose_rhs_first=True)
   config = _finished_config(problem, out_dtype, cooperative_only=cooperative_only)
   if config.schedule == Schedule.PINGPONG:
+    cooperative = _finished_config(problem, out_dtype, cooperative_only=True)
+    if problem.k <= max(_SHORT_K_STEPS) and cooperative.tile_k < config.tile_k:
+      return cooperative  # One short K step (`_SHORT_K_STEPS`).
     # Ping-pong's tiles have no one-segment RHS tiles nor clusters, so where
     # they would pad an operand that the cooperative choice reads in place
     # (a ragged N, `_with_rhs_in_place`), that copy costs more than the
     # epilogue they hide (2048x4096x3000, bf16: the RHS, 23 MB).
-    cooperative = _finished_config(problem, out_dtype, cooperative_only=True)
     if _padding_us(cooperative, problem, out_dtype) < _padding_us(config, problem, out_dtype):
       return cooperative
   return config
