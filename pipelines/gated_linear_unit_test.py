@@ -6,7 +6,6 @@ stores meet the previous tile's), both weight forms (separate and fused
 keeps for the backward.
 """
 
-import contextlib
 import dataclasses
 import functools
 
@@ -69,7 +68,7 @@ class GatedLinearUnitTest(testing.KernelTestCase):
       args = (w_gate, w_up)
     fn = functools.partial(gated_linear_unit, activation=activation, config=config,
                            out_dtype=out_dtype, transpose_rhs=transpose_rhs)
-    with base.with_blocks(blocks) if blocks else contextlib.nullcontext():
+    with base.with_blocks(blocks):
       out = self.run_kernel(fn, x, *args)
     self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype or dtype)))
     self.assert_output_close(out, reference(x, w_gate, w_up, activation), operand_dtype=dtype)
@@ -132,7 +131,7 @@ class GatedLinearUnitTest(testing.KernelTestCase):
       ws = (jnp.stack([w_gate, w_up], axis=1),)
     else:
       ws = (w_gate.T, w_up.T) if transpose_rhs else (w_gate, w_up)
-    with base.with_blocks(blocks) if blocks else contextlib.nullcontext():
+    with base.with_blocks(blocks):
       grads = self.run_kernel(jax.jit(functools.partial(grads_of, glu)), x, *ws)
     for primal, grad in zip((x, *ws), grads, strict=True):
       self.assertEqual((grad.shape, grad.dtype), (primal.shape, primal.dtype))

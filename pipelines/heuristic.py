@@ -693,9 +693,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
     return dataclasses.replace(default_config(problem.transposed_product(), jnp.float32),
                                swap_operands=True)
   if not cooperative_only and _transposes_rhs_first(problem):
-    rhs_transposed = dataclasses.replace(
-        problem, layout=dataclasses.replace(problem.layout, transpose_rhs=True))
-    return dataclasses.replace(default_config(rhs_transposed, out_dtype),
+    return dataclasses.replace(default_config(problem.with_rhs_transposed(), out_dtype),
                                transpose_rhs_first=True)
   config = _finished_config(problem, out_dtype, cooperative_only=cooperative_only)
   if config.schedule == Schedule.PINGPONG:

@@ -101,9 +101,7 @@ def kernel_problem(config: TuningConfig, problem: operands.MatmulProblem, out_dt
     return (dataclasses.replace(config, swap_operands=False), problem.transposed_product(),
             jnp.dtype(jnp.float32), False)
   if config.transpose_rhs_first:
-    return (dataclasses.replace(config, transpose_rhs_first=False),
-            dataclasses.replace(problem, layout=dataclasses.replace(problem.layout,
-                                                                    transpose_rhs=True)),
+    return (dataclasses.replace(config, transpose_rhs_first=False), problem.with_rhs_transposed(),
             out_dtype, has_bias)
   return config, problem, out_dtype, has_bias
 

@@ -590,8 +590,7 @@ class ConfigChoiceTest(parameterized.TestCase):
          ((257, 200, 16), nn, True), ((4096, 4096, 16), nt, False),
          ((4096, 4096, 16), tt, False), ((4096, 4096, 17), nn, False),
          ((256, 4096, 16), nn, False), ((64, 4096, 16), nn, False)),
-        lambda problem, out_dtype: default_config(dataclasses.replace(
-            problem, layout=dataclasses.replace(problem.layout, transpose_rhs=True)), out_dtype))
+        lambda problem, out_dtype: default_config(problem.with_rhs_transposed(), out_dtype))
     config = default_config(ops.MatmulProblem(m=4096, k=4096, n=16,
                                               dtype=jnp.dtype(jnp.bfloat16)), jnp.bfloat16)
     with self.assertRaisesRegex(ValueError, "exclude each other"):

@@ -58,8 +58,11 @@ def kernel_output_shapes(fn, *args) -> list[list[tuple[int, ...]]]:
           for call in kernel.call_args_list]
 
 
-def with_blocks(num_blocks: int):
-  """Caps the persistent grid at `num_blocks`, so each block loops over several tiles."""
+def with_blocks(num_blocks: int | None):
+  """Caps the persistent grid at `num_blocks`, so each block loops over several
+  tiles; None leaves the grid as the device makes it."""
+  if num_blocks is None:
+    return contextlib.nullcontext()
   facts = dataclasses.replace(device.device_facts(), sm_count=num_blocks)
   return mock.patch.object(kernel_call, "device_facts", return_value=facts)
 
@@ -111,7 +114,7 @@ class MatmulTestBase(testing.KernelTestCase):
       kwargs["config_fields"] = config_fields
     if layout != NN:
       kwargs["layout"] = layout
-    with with_blocks(num_blocks) if num_blocks else contextlib.nullcontext():
+    with with_blocks(num_blocks):
       out = self.run_kernel(self.run_matmul, lhs, rhs, bias, **kwargs)
     self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype or dtype)))
     self.assert_close(out, matmul_reference(lhs, rhs, bias, epilogue=epilogue, layout=layout),

@@ -71,6 +71,10 @@ class MatmulProblem:
     """Whether M, N or K is 0: the product is all zeros (or has no elements)."""
     return not (self.m and self.k and self.n)
 
+  def with_rhs_transposed(self) -> MatmulProblem:
+    """The same product with its RHS stored (N, K) (`TuningConfig.transpose_rhs_first`)."""
+    return dataclasses.replace(self, layout=dataclasses.replace(self.layout, transpose_rhs=True))
+
   def transposed_product(self) -> MatmulProblem:
     """The problem of the kernel that runs out.T = op(rhs).T @ op(lhs).T
     (`TuningConfig.swap_operands`), (N, K, M): the RHS array is its LHS, read

@@ -8,7 +8,6 @@ ragged-K kernel; and one training step of a top-k routed expert layer against
 the same layer on XLA.
 """
 
-import contextlib
 import dataclasses
 import functools
 
@@ -72,7 +71,7 @@ class RaggedDotTest(testing.KernelTestCase):
     sizes = jnp.array(group_sizes, jnp.int32)
     fn = functools.partial(ragged_dot, activation=activation, transpose_rhs=transpose_rhs,
                            config=config, out_dtype=out_dtype)
-    with base.with_blocks(blocks) if blocks else contextlib.nullcontext():
+    with base.with_blocks(blocks):
       out = self.run_kernel(jax.jit(fn), lhs, rhs, sizes)
     self.assertEqual((out.shape, out.dtype), ((m, n), jnp.dtype(out_dtype or dtype)))
     self.assert_output_close(out, reference(lhs, rhs, sizes, activation, transpose_rhs),
@@ -158,7 +157,7 @@ class RaggedDotTest(testing.KernelTestCase):
 
     ours = functools.partial(ragged_dot, group_sizes=sizes, activation=activation,
                              transpose_rhs=transpose_rhs, config=config)
-    with base.with_blocks(blocks) if blocks else contextlib.nullcontext():
+    with base.with_blocks(blocks):
       got = self.run_kernel(jax.jit(functools.partial(
           grads_of, lambda a, b: ours(a, b))), lhs, rhs)
     want = grads_of(lambda a, b: reference(a, b, sizes, activation, transpose_rhs),
