@@ -145,6 +145,8 @@ class CooperativeMatmulTest(base.MatmulTestBase):
       # tiles, read in place at a ragged N.
       ((320, 128, 300), base.NN,
        dict(tile_n=128, rhs_tile_n=64, epi_tile_n=64, wg_dimension=MatmulDimension.M), 4),
+      # A grid capped below one cluster's blocks still runs one cluster.
+      ((256, 128, 128), base.NN, {}, 1),
   )
   def test_clusters_multicast_the_rhs(self, shape, layout, fields, num_blocks):
     """Two CTAs per cluster compute vertically adjacent tiles and load each RHS

@@ -61,7 +61,13 @@ from pipelines.fp8_matmul_sm90 import (
 )
 from pipelines.fp8_quantize import ROW_BLOCK, quantize_fp8_reference, scales_shape
 from pipelines.group_schedule import GroupRows, GroupTiles, group_rows, group_tiles
-from pipelines.persistent_sm90 import CLUSTER_AXIS, SM_AXIS, WG_AXIS, num_work_items
+from pipelines.persistent_sm90 import (
+    CLUSTER_AXIS,
+    SM_AXIS,
+    WG_AXIS,
+    num_persistent_blocks,
+    num_work_items,
+)
 from pipelines.pingpong_matmul_sm90 import emit_pingpong_matmul, pingpong_scratch
 from pipelines.pipelined_matmul_sm90 import M_AXIS, N_AXIS, emit_pipelined_matmul
 
@@ -379,7 +385,7 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
   splits = (config.k_splits,) if config.k_splits > 1 else ()
   work_items = num_work_items(config, pl.cdiv(padded_m, config.cta_tile_m),
                               pl.cdiv(padded_n, config.cta_tile_n))
-  clusters = min(device_facts().sm_count // config.cluster_m, work_items)
+  num_blocks = num_persistent_blocks(config, work_items, device_facts().sm_count)
   out_type = jax.ShapeDtypeStruct((*splits, padded_m, padded_n), store_dtype)
   out_types = (out_type,) * num_outputs
   if quantized:
@@ -391,7 +397,7 @@ def ws_matmul(lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None = None, *,
          operands.round_up(padded_m, config.cta_tile_m)), jnp.float32))
   kernel = persistent_kernel(
       body, out_type=out_types,
-      num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
+      num_blocks=num_blocks, cluster_size=config.cluster_m,
       name=f"ws_matmul_{config.schedule.value}_{layout.name}",
       reduction_scratch_bytes=NO_REDUCTION_SCRATCH if quantized else None)
   outs = kernel(lhs, rhs, *(() if kernel_bias is None else (kernel_bias,)),
@@ -520,10 +526,10 @@ def ws_gated_matmul(lhs: jax.Array, gate_rhs: jax.Array, up_rhs: jax.Array | Non
 
   work_items = num_work_items(config, pl.cdiv(padded_m, config.cta_tile_m),
                               pl.cdiv(padded_n, config.cta_tile_n))
-  clusters = min(device_facts().sm_count // config.cluster_m, work_items)
+  num_blocks = num_persistent_blocks(config, work_items, device_facts().sm_count)
   kernel = persistent_kernel(
       body, out_type=(jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),) * num_outputs,
-      num_blocks=clusters * config.cluster_m, cluster_size=config.cluster_m,
+      num_blocks=num_blocks, cluster_size=config.cluster_m,
       name=f"ws_gated_matmul_{layout.name}")
   outs = tuple(out if out.shape == (m, n) else out[:m, :n]
                for out in kernel(lhs, *((gate_rhs,) if fused else (gate_rhs, up_rhs))))

@@ -49,6 +49,15 @@ def num_work_items(config: TuningConfig, m_tiles: int, n_tiles: int) -> int:
   return config.k_splits * pl.cdiv(m_tiles, config.cluster_m) * n_tiles
 
 
+def num_persistent_blocks(config: TuningConfig, work_items: int, sm_count: int) -> int:
+  """The persistent grid's blocks for `work_items` (`num_work_items`) on
+  `sm_count` SMs: a whole number of `config.cluster_m`-block clusters, one
+  per work item at most, and at least one cluster even where `sm_count` is
+  below a cluster's blocks (a grid capped for a test)."""
+  clusters = max(1, min(sm_count // config.cluster_m, work_items))
+  return clusters * config.cluster_m
+
+
 def for_each_work_item(config: TuningConfig, m_tiles: int, n_tiles: int,
                        body: WorkItemBody) -> None:
   """Runs `body` for each of this block's work items, in the swizzled tile order.
