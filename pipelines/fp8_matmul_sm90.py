@@ -307,17 +307,31 @@ def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_sme
   """
   def block_product(acc_ref):
     plgpu.wgmma(acc_ref, lhs_operand, rhs_smem.T)
+    scales = None
+    if column_scales_smem is None:
+      # A block scale makes one factor a row, a register or two a thread:
+      # load them, and fence, while the wgmmas run, not after them while the
+      # tensor cores idle (4-7% faster on an H100; docs/performance-log.md,
+      # "FP8's scales loaded while the wgmmas run"). Per-column scales
+      # are 64 registers a thread more, so they wait for the product.
+      scales = _ordered_scale_factors(row_scales_smem, running_sum.shape, rhs_scale=rhs_scale)
     # Reading the accumulator waits for the wgmmas, so none still reads the
     # step's slots when the pipeline refills them after the step.
-    return acc_ref[...]
+    return acc_ref[...], scales
 
-  product = pl.run_scoped(block_product, accumulator(running_sum.shape))
-  scales = _block_scale_factors(row_scales_smem, product.shape, rhs_scale=rhs_scale,
-                                column_scales_smem=column_scales_smem)
-  # The pipeline refills the step's slots by TMA after the step: order these
-  # register loads of the scales before that write to them.
-  plgpu.commit_smem()
+  product, scales = pl.run_scoped(block_product, accumulator(running_sum.shape))
+  if scales is None:
+    scales = _ordered_scale_factors(row_scales_smem, product.shape,
+                                    column_scales_smem=column_scales_smem)
   return running_sum + product * scales
+
+
+def _ordered_scale_factors(row_scales_smem, shape, **rhs_scales) -> jax.Array:
+  """`_block_scale_factors`, its SMEM loads ordered before the TMA copies
+  that refill the step's slots after the step."""
+  scales = _block_scale_factors(row_scales_smem, shape, **rhs_scales)
+  plgpu.commit_smem()
+  return scales
 
 
 def _add_two_scaled_block_products(running_sum, indices, lhs_operand, rhs_smem,
