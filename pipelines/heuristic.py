@@ -143,8 +143,10 @@ _NARROW_TRANSPOSED_RHS_TILE = TuningConfig(tile_m=64, tile_n=16, epi_tile_n=16,
 # 1.23-1.31x faster at 4096x4096x8 NN and TN and 4096x4096x16 NN (fit half
 # and narrow suite), 1.01-1.39x on six problems of no suite of 1000-65536
 # rows, and 0.92-0.93x at 256x4096x16, where the copy's microsecond or two is
-# a fifth of the product's time.
-_TRANSPOSE_RHS_FIRST_MIN_M = 256
+# a fifth of the product's time; the A/B of the landed rule
+# (perf/2026-12-06-h100-narrow-rules-landed-ab.json) had 512x4096x16 0.97x,
+# so the rule starts past 512 rows.
+_TRANSPOSE_RHS_FIRST_MIN_M = 512
 # Decode-size products (M <= 16 rows) whose weights are
 # at most `_TRANSPOSED_DECODE_MAX_N` wide run as their transpose
 # (`TuningConfig.swap_operands`): out.T = W.T @ x.T, the activations an (N', K)
