@@ -135,7 +135,7 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
       # warpgroups have released them, after this returns.
       *column_scales_smem, running_sum = rest
       return _add_scaled_block_product(running_sum, lhs_smem.at[wg_rows], rhs_smem,
-                                       lhs_scales_smem.at[0, wg_rows],
+                                       lhs_scales_smem.at[0, wg_rows], released_by_arrive=True,
                                        **_rhs_scales_of_step(indices, rhs_scales_smem,
                                                              column_scales_smem))
 
@@ -220,6 +220,7 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
         if blocks == 1:
           return _add_scaled_block_product(
               running_sum, lhs_smem.at[wg_rows], rhs_smem, lhs_scales_smem.at[0, wg_rows],
+              released_by_arrive=True,
               **_rhs_scales_of_step(indices, block_scales, column_scales_smem))
         return _add_two_scaled_block_products(
             running_sum, indices, lhs_smem.at[wg_rows], rhs_smem, lhs_scales_smem.at[:, wg_rows],
@@ -293,7 +294,7 @@ def _rhs_scales_of_step(indices, block_scales_smem, column_scales_smem, *, block
 
 def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_smem, *,
                               rhs_scale=None, column_scales_smem=None,
-                              released_by_arrive: bool = True) -> jax.Array:
+                              released_by_arrive: bool) -> jax.Array:
   """`running_sum` + (lhs_operand @ rhs_smem.T) * row_scales * rhs_scales: one
   K step's product, on the tensor cores into a fresh accumulator, scaled and
   added in float32 registers.
@@ -343,7 +344,7 @@ def _ordered_scale_factors(row_scales_smem, shape, *, released_by_arrive: bool,
   return scales
 
 
-def _order_scale_loads_before_refill(*, released_by_arrive: bool = True) -> None:
+def _order_scale_loads_before_refill(*, released_by_arrive: bool) -> None:
   """Orders a step's SMEM loads of scales before the TMA copies that refill
   the step's slots.
 
@@ -402,14 +403,16 @@ def _add_two_scaled_block_products(running_sum, indices, lhs_operand, rhs_smem,
     first_factors = factors(0)
     second_factors = None if column_scales_smem else factors(1)
     # The pipeline refills the step's slots by TMA after the step: order the
-    # register loads of the scales before that write to them.
+    # register loads of the scales before that write to them. Only the
+    # warp-specialized kernels take two blocks a step, so a memory warpgroup
+    # refills the slots, after this warpgroup's arrive.
     if second_factors is not None:
-      _order_scale_loads_before_refill()
+      _order_scale_loads_before_refill(released_by_arrive=True)
     # The first block's wgmmas are done, the second's may run on.
     partial = running_sum + plgpu.wgmma_accumulator_load(acc_first, wait_n=1) * first_factors
     if second_factors is None:
       second_factors = factors(1)
-      _order_scale_loads_before_refill()
+      _order_scale_loads_before_refill(released_by_arrive=True)
     return partial + plgpu.wgmma_accumulator_load(acc_second, wait_n=0) * second_factors
 
   return pl.run_scoped(products, accumulator(running_sum.shape),
