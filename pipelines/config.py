@@ -119,16 +119,21 @@ class Fp8Config:
     max_concurrent_steps: SMEM slots per operand (clamped to the K steps).
     compute_wgs: compute warpgroups per CTA tile: 2 (the default), a
       (128, 128) tile with a memory warpgroup that loads each step once for
-      both (`emit_fp8_matmul_warp_specialized`); or 1, a (64, 128) tile whose
-      warpgroup also issues the loads (`emit_fp8_matmul`). On an H200 the
-      first ran 1.19-1.65x faster than the second, on 5 problems of 4096-8192
-      rows (docs/performance-log.md, "FP8 on the H200").
-    persistent: with 2 compute warpgroups, one block per SM walks the output
-      tiles (`emit_fp8_matmul_persistent`: a tile's epilogue overlaps the
-      next tile's loads, and the tiles go in `matmul`'s swizzled order)
-      instead of one block per tile. None (the default) means True with 2
-      compute warpgroups and False with 1 (`runs_persistent`), so that
-      `dataclasses.replace(config, compute_wgs=1)` keeps a valid default.
+      both (`emit_fp8_matmul_warp_specialized`); 3, a (192, 128) tile on the
+      persistent kernel only, each compute warpgroup with 160 registers a
+      thread (the memory warpgroup keeps 24); or 1, a (64, 128) tile whose
+      warpgroup also issues the loads (`emit_fp8_matmul`). On an H200 two
+      ran 1.19-1.65x faster than one, on 5 problems of 4096-8192 rows
+      (docs/performance-log.md, "FP8 on the H200"); on an H100 three ran
+      1.10-1.12x faster than two where both tiles divide M ("A third compute
+      warpgroup for the block-scaled FP8 kernel"). `fp8.default_config`
+      chooses between two and three for a problem.
+    persistent: with 2 or 3 compute warpgroups, one block per SM walks the
+      output tiles (`emit_fp8_matmul_persistent`: a tile's epilogue overlaps
+      the next tile's loads, and the tiles go in `matmul`'s swizzled order)
+      instead of one block per tile. None (the default) means True with a
+      memory warpgroup and False with 1 compute warpgroup (`runs_persistent`),
+      so that `dataclasses.replace(config, compute_wgs=1)` keeps a valid default.
       On an H200 it ran 1.22x, 1.08x and 1.01x the one-block-per-tile grid at
       8192x4096x14336, 8192^3 and 4096^3 and 0.985x at 8192x14336x4096
       (docs/performance-log.md, "The block-scaled FP8 kernel on a persistent
@@ -156,23 +161,32 @@ class Fp8Config:
 
   def __post_init__(self):
     self.pipeline  # Validates the depth.  # noqa: B018
-    if self.compute_wgs not in (1, NUM_COMPUTE_WGS):
-      raise ValueError(f"compute_wgs={self.compute_wgs!r} must be 1 or {NUM_COMPUTE_WGS}")
-    if self.persistent and self.compute_wgs != NUM_COMPUTE_WGS:
-      raise ValueError(f"persistent=True needs compute_wgs={NUM_COMPUTE_WGS} (a memory "
-                       f"warpgroup), got compute_wgs={self.compute_wgs}")
+    if self.compute_wgs not in (1, NUM_COMPUTE_WGS, NUM_COMPUTE_WGS + 1):
+      raise ValueError(f"compute_wgs={self.compute_wgs!r} must be 1, {NUM_COMPUTE_WGS} or "
+                       f"{NUM_COMPUTE_WGS + 1}")
+    if self.persistent and self.compute_wgs == 1:
+      raise ValueError("persistent=True needs compute_wgs > 1 (a memory warpgroup), got "
+                       f"compute_wgs={self.compute_wgs}")
+    if self.persistent is False and self.compute_wgs > NUM_COMPUTE_WGS:
+      raise ValueError(f"compute_wgs={self.compute_wgs} runs only on the persistent kernel, "
+                       "got persistent=False")
     if self.k_blocks_per_step not in (1, 2):
       raise ValueError(f"k_blocks_per_step={self.k_blocks_per_step!r} must be 1 or 2")
     if self.k_blocks_per_step > 1 and not self.runs_persistent:
       raise ValueError(f"k_blocks_per_step={self.k_blocks_per_step} needs the persistent "
                        f"kernel, got {self!r}")
+    if self.k_blocks_per_step > 1 and self.compute_wgs > NUM_COMPUTE_WGS:
+      # Two accumulators and the running sum take 192 registers a thread,
+      # beyond the 160 each of three compute warpgroups gets.
+      raise ValueError(f"k_blocks_per_step={self.k_blocks_per_step} needs compute_wgs <= "
+                       f"{NUM_COMPUTE_WGS}, got compute_wgs={self.compute_wgs}")
 
   @property
   def runs_persistent(self) -> bool:
     """Whether the kernel is the persistent one: `persistent`, or by default
     whether there is a memory warpgroup."""
     if self.persistent is None:
-      return self.compute_wgs == NUM_COMPUTE_WGS
+      return self.compute_wgs > 1
     return self.persistent
 
   @property

@@ -17,6 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from core import device_facts
 from core.varying import cotangent_like
 from pipelines import kernel_call, operands
 from pipelines.batching import refusing_gradient
@@ -62,10 +63,40 @@ def _check_scales(name: str, scales, expected: dict[tuple[int, int], str]) -> No
                      f"{name}.shape={scales.shape}")
 
 
-def _checked_config(config: Fp8Config | None) -> Fp8Config:
-  """`config`, or `Fp8Config()` for None; raises unless it is an `Fp8Config`."""
-  config = Fp8Config() if config is None else config
-  if not isinstance(config, Fp8Config):
+# A 192-row tile (three compute warpgroups) computes an output row 1.12x as
+# fast as a 128-row tile (two): on an H100, 6144x4096x14336 and
+# 12288x4096x4096 ran 1.10x and 1.12x faster with it, where its busiest SM
+# computed 1.02x and 1.00x the rows (docs/performance-log.md, "A third compute
+# warpgroup for the block-scaled FP8 kernel").
+_THREE_WG_ROW_SPEEDUP = 1.12
+
+
+def default_config(m: int, k: int, n: int, out_dtype=jnp.bfloat16, *, has_bias: bool = False,
+                   rhs_row_scales: bool = False) -> Fp8Config:
+  """The block-scaled kernel's config for an (M, K) x (K, N) product into
+  `out_dtype`: three compute warpgroups (192-row tiles) unless the busiest
+  SM's rows under two (128-row tiles; its waves of work items times their
+  rows) are fewer by more than the larger tile's speed per row makes up for,
+  as at a few hundred rows, where 192-row tiles compute up to half again the
+  rows; in the deepest pipeline up to 4 stages whose SMEM fits (a float32
+  output's staging tile leaves three warpgroups 3)."""
+  def busiest_sm_rows(config: Fp8Config) -> int:
+    tiles = -(-m // config.cta_tile_m) * -(-n // Fp8Config.TILE_N)
+    return -(-tiles // device_facts().sm_count) * config.cta_tile_m
+  two, three = Fp8Config(), Fp8Config(compute_wgs=3)
+  config = three if busiest_sm_rows(three) <= _THREE_WG_ROW_SPEEDUP * busiest_sm_rows(two) else two
+  k_steps = max(1, -(-k // Fp8Config.TILE_K))
+  for steps in range(config.max_concurrent_steps, 1, -1):
+    deeper = dataclasses.replace(config, max_concurrent_steps=steps)
+    if deeper.smem_budget(k_steps, out_dtype, has_bias=has_bias,
+                          rhs_row_scales=rhs_row_scales).fits():
+      return deeper
+  return dataclasses.replace(config, max_concurrent_steps=1)
+
+
+def _checked_config(config: Fp8Config | None) -> Fp8Config | None:
+  """`config`; raises unless it is an `Fp8Config` or None (the problem's default)."""
+  if config is not None and not isinstance(config, Fp8Config):
     raise ValueError(f"config must be an Fp8Config, got {type(config).__name__}")
   return config
 
@@ -92,7 +123,7 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
     out_dtype: bfloat16 (default), float16 or float32; or float8_e4m3fn
       for the output quantized in (1, 128) blocks in the kernel's epilogue,
       ready to be the LHS of the next `fp8_matmul` with no pass of its own.
-    config: the block-scaled kernel's; `Fp8Config()` by default.
+    config: the block-scaled kernel's; `default_config` of the problem by default.
 
   With block scales, each 128-long block of K is multiplied on the tensor
   cores and added, times its two scales, to a float32 sum outside them, so
@@ -140,6 +171,9 @@ def fp8_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Array, rhs_scales
   lhs_scales = jnp.broadcast_to(lhs_scales, lhs_scales_shape)
   rhs_scales = jnp.broadcast_to(rhs_scales,
                                 rhs_row_scales_shape if rhs_row_scales else rhs_scales_shape)
+  if config is None:
+    config = default_config(m, k, n, out_dtype, has_bias=bias is not None,
+                            rhs_row_scales=rhs_row_scales)
   run = functools.partial(kernel_call.fp8_block_scaled_matmul, config=config, epilogue=epilogue,
                           out_dtype=out_dtype, rhs_row_scales=rhs_row_scales)
   return refusing_gradient(run, _NOT_DIFFERENTIABLE)(lhs, rhs, lhs_scales, rhs_scales, bias)
@@ -168,7 +202,8 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
       Dense layer's batch and sequence dimensions are.
     w: (K, N) of x's dtype.
     bias: (N,) of any float dtype, or None.
-    config: `fp8_matmul`'s, for all three products.
+    config: `fp8_matmul`'s, for all three products; by default each
+      product takes `default_config` of its own output.
 
   Returns:
     (..., N) array of x's dtype. The gradients have the primals' dtypes;
@@ -181,13 +216,13 @@ def fp8_linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
     raise ValueError(f"w must be 2-D (K, N), got {w.shape=}")
   rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
   operands.check_operands(rows, w)  # The bias is `fp8_matmul`'s to check.
-  config = _checked_config(config)
+  _checked_config(config)
   out = _make_fp8_linear(config, bias is not None)(rows, w, *(() if bias is None else (bias,)))
   return out.reshape(*x.shape[:-1], w.shape[1])
 
 
 @functools.cache
-def _make_fp8_linear(config: Fp8Config, has_bias: bool):
+def _make_fp8_linear(config: Fp8Config | None, has_bias: bool):
   def product(lhs, rhs, out_dtype, bias=None):
     """lhs @ rhs.T (+ bias) of two (values, scales) pairs quantized along
     their rows (the contraction), the LHS in (1, 128) blocks."""

@@ -169,22 +169,24 @@ def emit_fp8_matmul_warp_specialized(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_sc
 def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_gmem, *rest,
                                config: Fp8Config, epilogue: Epilogue,
                                rhs_row_scales: bool = False) -> None:
-  """`emit_fp8_matmul_warp_specialized`'s (128, TILE_N) tiles, walked by one
-  persistent block per SM (`persistent_sm90.for_each_work_item`, in
-  `config.tile_order`).
+  """`emit_fp8_matmul_warp_specialized`'s tiles, of `config.compute_wgs`
+  warpgroups' rows (`config.cta_tile_m`), walked by one persistent block per
+  SM (`persistent_sm90.for_each_work_item`, in `config.tile_order`).
 
   The memory warpgroup runs ahead into the block's next tile, so its loads
   overlap the compute warpgroups' epilogue. Each compute warpgroup loads its
   own copy of a tile's constants (RHS scales, bias) after its epilogue of the
   last tile: one warpgroup starting a tile never overwrites what the other
   still reads. Must be called from a kernel with grid axis `SM_AXIS` and
-  `NUM_COMPUTE_WGS` + 1 warpgroups on `WG_AXIS`; the arguments are
-  `emit_fp8_matmul`'s, with M a multiple of 128.
+  `config.compute_wgs` + 1 warpgroups on `WG_AXIS`; the arguments are
+  `emit_fp8_matmul`'s, with M a multiple of 8 and at least
+  `config.cta_tile_m` (not necessarily a multiple of it).
   """
   bias_gmem, out_gmem, out_scales_gmem = _outputs(rest, epilogue)
   block_scales_gmem = None if rhs_row_scales else rhs_scales_gmem
   wg_m, tile_n, tile_k = config.TILE_M, config.TILE_N, config.TILE_K
-  cta_m = NUM_COMPUTE_WGS * wg_m
+  compute_wgs = config.compute_wgs
+  cta_m = config.cta_tile_m
   m, k = lhs_gmem.shape
   k_blocks = k // tile_k
   blocks = config.blocks_per_step(k_blocks)
@@ -246,13 +248,15 @@ def emit_fp8_matmul_persistent(lhs_gmem, rhs_gmem, lhs_scales_gmem, rhs_scales_g
                           n_slice, rhs_row_scales),
           allocations=pipeline_allocs)
 
-    for_each_work_item(config.tile_order, m // cta_m, n_tiles, work_item)
+    # The last row tile may reach past M: TMA fills its loads there with
+    # zeros and drops its stores.
+    for_each_work_item(config.tile_order, pl.cdiv(m, cta_m), n_tiles, work_item)
 
   # Allocated once for all warpgroups of the block, and for all its tiles.
   pl.run_scoped(scoped, pipeline_allocs=pipeline_allocs,
-                out_smem=smem((NUM_COMPUTE_WGS, wg_m, tile_n), out_gmem.dtype, swizzled=True),
-                **_tile_constants_scratch(block_scales_gmem, epilogue, copies=NUM_COMPUTE_WGS),
-                **_scales_scratch(out_scales_gmem, (NUM_COMPUTE_WGS, 1, wg_m)),
+                out_smem=smem((compute_wgs, wg_m, tile_n), out_gmem.dtype, swizzled=True),
+                **_tile_constants_scratch(block_scales_gmem, epilogue, copies=compute_wgs),
+                **_scales_scratch(out_scales_gmem, (compute_wgs, 1, wg_m)),
                 collective_axes=WG_AXIS)
 
 
@@ -260,17 +264,25 @@ def _warp_specialized_pipeline(step, compute_context, *, rows: int, k_steps: int
                                config: Fp8Config, dtype, rhs_row_scales: bool, blocks: int = 1):
   """The memory warpgroup's pipeline of a (rows, TILE_N) tile's K steps of
   `blocks` scale blocks each (`_operand_specs`), feeding `step` in
-  `NUM_COMPUTE_WGS` compute warpgroups."""
+  `config.compute_wgs` compute warpgroups."""
   return plgpu.emit_pipeline_warp_specialized(
       step,
       grid=(k_steps,),
-      memory_registers=MEMORY_WG_REGISTERS,
+      memory_registers=memory_registers(config.compute_wgs),
       in_specs=_operand_specs(rows, config, dtype, rhs_row_scales, blocks),
       wg_axis=WG_AXIS,
-      num_compute_wgs=NUM_COMPUTE_WGS,
+      num_compute_wgs=config.compute_wgs,
       max_concurrent_steps=config.pipeline.steps_for(k_steps),
       compute_context=compute_context,
   )
+
+
+def memory_registers(compute_wgs: int) -> int:
+  """Registers per thread the memory warpgroup keeps beside `compute_wgs`
+  compute warpgroups. Beside three, it keeps setmaxnreg's least (24), so
+  that each compute warpgroup gets 160: its accumulator and running sum
+  take 128."""
+  return MEMORY_WG_REGISTERS if compute_wgs <= NUM_COMPUTE_WGS else 24
 
 
 def _zeros(shape: tuple[int, int]) -> jax.Array:

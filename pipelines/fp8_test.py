@@ -23,6 +23,7 @@ from pipelines import (
   quantize_fp8_reference,
 )
 from pipelines import matmul_test_base as base
+from pipelines.fp8 import default_config as fp8_default_config
 from pipelines.fp8_quantize import (
     E4M3_MAX,
     ROW_BLOCK,
@@ -506,8 +507,8 @@ class Fp8MatmulTest(testing.KernelTestCase):
       fp8_matmul(lhs, rhs, lhs_scales, rhs_scales, config=object())
     with self.assertRaisesRegex(ValueError, "max_concurrent_steps must be an int >= 1"):
       Fp8Config(max_concurrent_steps=0)
-    with self.assertRaisesRegex(ValueError, "compute_wgs=3 must be 1 or 2"):
-      Fp8Config(compute_wgs=3)
+    with self.assertRaisesRegex(ValueError, "compute_wgs=4 must be 1, 2 or 3"):
+      Fp8Config(compute_wgs=4)
 
 
 class Fp8MatmulWarpSpecializedTest(Fp8MatmulTest):
@@ -579,13 +580,70 @@ class Fp8MatmulPersistentTest(Fp8MatmulWarpSpecializedTest):
       Fp8Config(k_blocks_per_step=3)
 
   def test_needs_a_memory_warpgroup(self):
-    with self.assertRaisesRegex(ValueError, "persistent=True needs compute_wgs=2"):
+    with self.assertRaisesRegex(ValueError, "persistent=True needs compute_wgs > 1"):
       Fp8Config(persistent=True, compute_wgs=1)
 
   def test_is_the_default_with_a_memory_warpgroup(self):
     self.assertEqual((Fp8Config().runs_persistent, Fp8Config(compute_wgs=1).runs_persistent,
                       dataclasses.replace(Fp8Config(), compute_wgs=1).runs_persistent,
                       Fp8Config(persistent=False).runs_persistent), (True, False, False, False))
+
+
+class Fp8MatmulThreeWarpgroupsTest(Fp8MatmulWarpSpecializedTest):
+  """The same cases on the persistent kernel's (192, 128) tiles of three
+  compute warpgroups, its grid capped at 2 blocks."""
+
+  # 3 stages: a float32 output's staging tile leaves no SMEM for a fourth.
+  config = Fp8Config(compute_wgs=3, max_concurrent_steps=3)
+
+  def setUp(self):
+    super().setUp()
+    self.enterContext(base.with_blocks(2))
+
+  # 3 x 3 tiles on 2 blocks, the last row tile 136 of 192 rows: its second
+  # warpgroup's rows reach past M, its third's all lie past M.
+  SEVERAL_TILES = (520, 512, 384)
+
+  @parameterized.parameters((False, ROW_BLOCK), (True, SQUARE_BLOCK))
+  def test_blocks_walk_several_tiles(self, has_bias, rhs_block):
+    """In 4 stages, as a 16-bit output takes them by default."""
+    self.check(*self.SEVERAL_TILES, seed=71, rhs_block=rhs_block,
+               config=Fp8Config(compute_wgs=3),
+               epilogue=Epilogue(activation="gelu", has_bias=has_bias))
+
+  def test_blocks_walk_several_tiles_quantizing_the_output(self):
+    self.check_quantized_output(*self.SEVERAL_TILES)
+
+  def test_reads_and_writes_m_in_place(self):
+    """M a multiple of 8 but not of the tile: neither the LHS nor the output
+    is copied to whole tiles (the kernel's last tile reaches past M)."""
+    lhs, lhs_scales, rhs, rhs_scales = quantized_operands(73, 520, 256, 256)
+    jaxpr = jax.make_jaxpr(functools.partial(fp8_matmul, config=self.config))(
+        lhs, rhs, lhs_scales, rhs_scales)
+    copies = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns
+              if eqn.primitive.name in ("pad", "slice")
+              and eqn.invars[0].aval.size >= 520 * 256]
+    self.assertEqual(copies, [])
+
+  def test_only_on_the_persistent_kernel(self):
+    with self.assertRaisesRegex(ValueError, "compute_wgs=3 runs only on the persistent kernel"):
+      Fp8Config(compute_wgs=3, persistent=False)
+    with self.assertRaisesRegex(ValueError, "k_blocks_per_step=2 needs compute_wgs <= 2"):
+      Fp8Config(compute_wgs=3, k_blocks_per_step=2)
+    self.assertTrue(Fp8Config(compute_wgs=3).runs_persistent)
+
+  @parameterized.parameters(((6144, 4096, 14336), jnp.bfloat16, Fp8Config(compute_wgs=3)),
+                            ((8192, 14336, 4096), jnp.bfloat16, Fp8Config(compute_wgs=3)),
+                            ((8192, 4096, 4096), jnp.float32,
+                             Fp8Config(compute_wgs=3, max_concurrent_steps=3)),
+                            ((128, 4096, 4096), jnp.bfloat16, Fp8Config()),
+                            ((256, 4096, 14336), jnp.float32, Fp8Config()))
+  def test_default_config(self, shape, out_dtype, want):
+    """Three warpgroups unless their 192-row tiles leave the busiest SM
+    more than 1.12x the rows of 128-row tiles (132 SMs), in as many stages
+    as fit."""
+    with testing.facts_of_the_fitted_gpu():
+      self.assertEqual(fp8_default_config(*shape, out_dtype), want)
 
 
 class Fp8PerTensorTest(testing.KernelTestCase):

@@ -224,9 +224,10 @@ NO_REDUCTION_SCRATCH = 0
 
 
 def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_axes=(),
-                      cluster_size: int = 1, reduction_scratch_bytes: int | None = None):
+                      cluster_size: int = 1, reduction_scratch_bytes: int | None = None,
+                      compute_wgs: int = NUM_COMPUTE_WGS):
   """`plgpu.kernel` for a warp-specialized body: `num_blocks` persistent blocks on
-  `SM_AXIS`, two compute warpgroups and a memory warpgroup on `WG_AXIS`.
+  `SM_AXIS`, `compute_wgs` compute warpgroups and a memory warpgroup on `WG_AXIS`.
 
   `reduction_scratch_bytes` is `core.compiler.compiler_params`'s (None: Mosaic
   GPU's default, which a body that reduces only within warps need not pay).
@@ -243,7 +244,7 @@ def persistent_kernel(body, *, out_type, num_blocks: int, name: str, collective_
       grid=(num_blocks // cluster_size,),
       grid_names=(SM_AXIS,),
       **cluster,
-      num_threads=NUM_COMPUTE_WGS + 1,
+      num_threads=compute_wgs + 1,
       thread_name=WG_AXIS,
       compiler_params=compiler_params(reduction_scratch_bytes=reduction_scratch_bytes),
       interpret=interpret_params(),
@@ -714,11 +715,12 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
     config, epilogue, out_dtype: as `fp8.fp8_matmul` takes them.
 
   Pads what the kernel needs: K to whole scale blocks (zeros, which add
-  nothing whatever their scale), M and N to whole tiles (zeros, sliced off
-  the result; a tile is `config.cta_tile_m` rows), each RHS block-scale row
-  to whole 16-byte TMA units; and stores the per-row scales transposed.
-  Aligned operands are not copied; the scales, 1/128 of the operands'
-  elements, always are.
+  nothing whatever their scale), N to whole tiles and M to whole tiles of
+  `config.cta_tile_m` rows (zeros, sliced off the result), each RHS
+  block-scale row to whole 16-byte TMA units; and stores the per-row scales
+  transposed. The persistent kernel reads and writes M in place instead
+  (`_persistent_rows`). Aligned operands are not copied; the scales, 1/128
+  of the operands' elements, always are.
 
   Returns:
     (M, N) array of `out_dtype`; for float8_e4m3fn, (values (M, N), scales
@@ -732,7 +734,9 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
     out = empty_result(problem, jnp.float32, (lhs, rhs, lhs_scales, rhs_scales), bias, epilogue)
     return quantize_fp8_reference(out, ROW_BLOCK) if quantized else out.astype(out_dtype)
   tile_m, tile_n, tile_k = config.cta_tile_m, Fp8Config.TILE_N, Fp8Config.TILE_K
-  padded_m, padded_n = operands.round_up(m, tile_m), operands.round_up(n, tile_n)
+  padded_m = (_persistent_rows(m, tile_m) if config.runs_persistent
+              else operands.round_up(m, tile_m))
+  padded_n = operands.round_up(n, tile_n)
   padded_k = operands.round_up(k, tile_k)
   k_steps = padded_k // tile_k
   config.smem_budget(k_steps, out_dtype, has_bias=bias is not None,
@@ -753,13 +757,13 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
   if quantized:  # And the output's scales, one per row and TILE_N columns, transposed.
     out_type = (out_type, jax.ShapeDtypeStruct((padded_n // tile_n, padded_m), jnp.float32))
   if config.runs_persistent:
-    tiles = (padded_m // tile_m) * (padded_n // tile_n)
+    tiles = pl.cdiv(padded_m, tile_m) * (padded_n // tile_n)
     kernel = persistent_kernel(
         functools.partial(emit_fp8_matmul_persistent, config=config, epilogue=epilogue,
                           rhs_row_scales=rhs_row_scales),
         out_type=out_type, num_blocks=min(device_facts().sm_count, tiles),
         name="fp8_block_scaled_matmul_persistent",
-        reduction_scratch_bytes=NO_REDUCTION_SCRATCH)
+        reduction_scratch_bytes=NO_REDUCTION_SCRATCH, compute_wgs=config.compute_wgs)
     return _fp8_result(kernel(*args), m, n, quantized)
   body = emit_fp8_matmul if config.compute_wgs == 1 else emit_fp8_matmul_warp_specialized
   # The warp-specialized body runs its compute warpgroups and a memory warpgroup.
@@ -776,6 +780,17 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
       kernel_name="fp8_block_scaled_matmul",
   ))
   return _fp8_result(kernel(*args), m, n, quantized)
+
+
+def _persistent_rows(m: int, tile_m: int) -> int:
+  """The rows the persistent FP8 kernel's arrays take for M: M itself where
+  it is a multiple of 8 and at least one tile (TMA zero-fills the last
+  tile's loads past M and drops its stores past M), so that a 192-row tile
+  on M = 8192 copies neither the LHS nor the output; else the next multiple
+  of 8 (a tiled copy's rows), and at least the tile, whose copies are not
+  masked correctly where the array is narrower than them (the transposed
+  LHS scales' rows are M long; `operands.tma_sizes`)."""
+  return max(operands.round_up(m, 8), tile_m)
 
 
 def _fp8_result(out, m: int, n: int, quantized: bool):

@@ -12,8 +12,10 @@ turns for `--rounds` rounds in the same process:
                           (1, 128) and (128, 128) blocks beforehand (weights
                           are stored quantized; an activation's quantization
                           is the `fp8_linear` rows' business), on the
-                          default (warp-specialized, persistent) kernel, (",
-                          one block per tile") on its parallel grid
+                          default (warp-specialized, persistent) kernel with
+                          `fp8.default_config`'s tiles, (", 2 warpgroups")
+                          with its 128-row tiles, (", one block per tile")
+                          on its parallel grid
                           (`Fp8Config.persistent`), (", 1 warpgroup") on
                           the one-warpgroup one (`Fp8Config.compute_wgs`)
                           and (", two blocks a step") in pipeline steps of
@@ -27,7 +29,8 @@ turns for `--rounds` rounds in the same process:
   xla: dequantize + bf16  the block-scaled operands dequantized to bf16 and
                           multiplied by `jnp.dot`: what JAX users do today
 and, with `--train`, a layer's forward + backward from a bf16 cotangent:
-`fp8_linear` (by default, and in steps of two scale blocks) against
+`fp8_linear` (by default, with 128-row tiles, and in steps of two scale
+blocks) against
 `pipelines.matmul` and XLA's autodiff of `jnp.dot`.
 With `--quantized_output`, a bf16 product whose output is quantized for the
 next FP8 matmul, in (1, 128) blocks, against XLA's `jnp.dot` then XLA's
@@ -159,6 +162,8 @@ def forward_implementations(x, w) -> tuple[dict, dict]:
       BASELINE: lambda o: jnp.dot(o["x"], o["w"]),
       "ours: bf16": lambda o: matmul(o["x"], o["w"]),
       "ours: fp8 block-scaled": lambda o: fp8_matmul(o["xq"], o["wq"], o["xs"], o["ws"]),
+      "ours: fp8 block-scaled, 2 warpgroups": lambda o: fp8_matmul(
+          o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config()),
       "ours: fp8 block-scaled, one block per tile": lambda o: fp8_matmul(
           o["xq"], o["wq"], o["xs"], o["ws"], config=Fp8Config(persistent=False)),
       "ours: fp8 block-scaled, 1 warpgroup": lambda o: fp8_matmul(
@@ -186,6 +191,8 @@ def train_implementations() -> dict:
 
   return {TRAIN_BASELINE: step(jnp.dot), "train: ours bf16": step(matmul),
           "train: ours fp8_linear": step(fp8_linear),
+          "train: ours fp8_linear, 2 warpgroups": step(
+              functools.partial(fp8_linear, config=Fp8Config())),
           "train: ours fp8_linear, two blocks a step": step(
               functools.partial(fp8_linear, config=TWO_BLOCK_STEPS))}
 
@@ -290,9 +297,12 @@ def precision_records(k_values: list[int], m: int = 1024, n: int = 1024) -> list
     x, w = cli.random_operands(m, k, n, jnp.bfloat16)
     xq, xs = quantize_fp8(x, ROW_BLOCK)
     wq, ws = quantize_fp8(w, SQUARE_BLOCK, transpose=True)
-    cases = {f"fp8_matmul, compute_wgs={c}": (
-        functools.partial(fp8_matmul, out_dtype=jnp.float32, config=Fp8Config(compute_wgs=c)),
-        (xq, wq, xs, ws)) for c in (1, 2)}
+    # Three compute warpgroups leave a float32 output's staging tile SMEM for 3 stages.
+    configs = (Fp8Config(compute_wgs=1), Fp8Config(),
+               Fp8Config(compute_wgs=3, max_concurrent_steps=3))
+    cases = {f"fp8_matmul, compute_wgs={config.compute_wgs}": (
+        functools.partial(fp8_matmul, out_dtype=jnp.float32, config=config),
+        (xq, wq, xs, ws)) for config in configs}
     cases["fp8_matmul, one block per tile"] = (
         functools.partial(fp8_matmul, out_dtype=jnp.float32,
                           config=Fp8Config(persistent=False)), (xq, wq, xs, ws))

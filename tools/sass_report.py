@@ -139,13 +139,12 @@ def hlo_launches(hlo: str) -> list[dict]:
 def parse_request(op: str, shapes: str, config: str) -> tuple[list[tuple[int, ...]], object]:
   """The problems ("MxKxN,...") and the config ("field=value,...") of a run of
   `op`, parsed before anything compiles: a `TuningConfig` for matmul and
-  ragged_dot (None, the heuristic's, for none) or an `Fp8Config` for the FP8
-  ops (the default for none). Raises ValueError naming a bad shape or field."""
+  ragged_dot, or an `Fp8Config` for the FP8 ops (None for none: the op's
+  default for each problem). Raises ValueError naming a bad shape or field."""
   from pipelines import Fp8Config, TuningConfig
   problems = [cli.parse_shape(text) for text in shapes.split(",")]
-  if op in ("matmul", "ragged_dot"):
-    return problems, cli.parse_config(TuningConfig, config) if config else None
-  return problems, cli.parse_config(Fp8Config, config)
+  config_type = TuningConfig if op in ("matmul", "ragged_dot") else Fp8Config
+  return problems, cli.parse_config(config_type, config) if config else None
 
 
 def _compile_op(op: str, shape: tuple[int, ...], *, groups: int, config,
