@@ -120,7 +120,9 @@ class SmemModelTest(parameterized.TestCase):
                                  Fp8Config(compute_wgs=1, max_concurrent_steps=2),
                                  Fp8Config(persistent=False),
                                  Fp8Config(persistent=False, max_concurrent_steps=3),
-                                 Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)],
+                                 Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2),
+                                 Fp8Config(compute_wgs=3),
+                                 Fp8Config(compute_wgs=3, max_concurrent_steps=2)],
                          has_bias=[False, True], k=[4096, 256, 384],
                          out_dtype=[jnp.bfloat16, jnp.float8_e4m3fn])
   def test_fp8(self, config, has_bias, k, out_dtype):
@@ -133,7 +135,8 @@ class SmemModelTest(parameterized.TestCase):
 
   @parameterized.product(config=[Fp8Config(), Fp8Config(compute_wgs=1),
                                  Fp8Config(persistent=False),
-                                 Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2)],
+                                 Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2),
+                                 Fp8Config(compute_wgs=3)],
                          has_bias=[False, True])
   def test_fp8_rhs_scaled_per_row(self, config, has_bias):
     k = 4096
