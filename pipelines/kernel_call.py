@@ -594,7 +594,7 @@ def ws_ragged_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   work_items = tiles.group.shape[0] * pl.cdiv(padded_n, config.cta_tile_n)
   kernel = persistent_kernel(
       body, out_type=(jax.ShapeDtypeStruct((padded_m, padded_n), out_dtype),) * num_outputs,
-      num_blocks=min(device_facts().sm_count, work_items),
+      num_blocks=num_persistent_blocks(config, work_items, device_facts().sm_count),
       name=f"ws_ragged_matmul_{layout.name}")
   outs = tuple(out if out.shape == (m, n) else out[:m, :n]
                for out in kernel(lhs, rhs, tiles.group, tiles.row_start, tiles.rows))
@@ -647,7 +647,8 @@ def ws_ragged_k_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *
                                                                             config.cta_tile_n)
   kernel = persistent_kernel(
       body, out_type=jax.ShapeDtypeStruct((num_groups, padded_m, padded_n), out_dtype),
-      num_blocks=min(device_facts().sm_count, work_items), name="ws_ragged_k_matmul")
+      num_blocks=num_persistent_blocks(config, work_items, device_facts().sm_count),
+      name="ws_ragged_k_matmul")
   out = kernel(lhs, rhs, rows.start, rows.end)
   if out.shape[1:] != (problem.m, problem.n):
     out = out[:, :problem.m, :problem.n]
@@ -761,7 +762,8 @@ def fp8_block_scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_scales: jax.Arra
     kernel = persistent_kernel(
         functools.partial(emit_fp8_matmul_persistent, config=config, epilogue=epilogue,
                           rhs_row_scales=rhs_row_scales),
-        out_type=out_type, num_blocks=min(device_facts().sm_count, tiles),
+        out_type=out_type,
+        num_blocks=num_persistent_blocks(config.tile_order, tiles, device_facts().sm_count),
         name="fp8_block_scaled_matmul_persistent",
         reduction_scratch_bytes=NO_REDUCTION_SCRATCH, compute_wgs=config.compute_wgs)
     return _fp8_result(kernel(*args), m, n, quantized)
