@@ -113,6 +113,18 @@ def output_bytes(fn, *args, **kwargs) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(outs))
 
 
+def equations(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs inside it (a `pjit`'s, a
+  `custom_vjp`'s, a loop's body), depth first."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for value in param if isinstance(param, tuple) else (param,):
+        inner = getattr(value, "jaxpr", value)  # A closed jaxpr's, or a jaxpr.
+        if hasattr(inner, "eqns"):
+          yield from equations(inner)
+
+
 def dot_dtypes(fn, *args) -> list[tuple]:
   """The dtypes (lhs, rhs, output) of each `dot_general` in `fn(*args)`'s
   top-level jaxpr, in order: whether an XLA baseline or path writes its

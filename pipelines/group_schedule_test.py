@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
+from core import testing
 from pipelines.group_schedule import ROW_ALIGNMENT, group_tiles, max_group_tiles
 
 TILE_M = 64
@@ -24,14 +25,8 @@ def owners(group_sizes, m):
 
 def loops(jaxpr):
   """The names of the loop primitives in `jaxpr` and the jaxprs inside it."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("scan", "while"):
-      yield eqn.primitive.name
-    for param in eqn.params.values():
-      for value in param if isinstance(param, tuple) else (param,):
-        inner = getattr(value, "jaxpr", value)  # A closed jaxpr's, or a jaxpr.
-        if hasattr(inner, "eqns"):
-          yield from loops(inner)
+  return [eqn.primitive.name for eqn in testing.equations(jaxpr)
+          if eqn.primitive.name in ("scan", "while")]
 
 
 class GroupTilesTest(parameterized.TestCase):
