@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from core import device_facts
 from core.varying import cotangent_like
-from pipelines import kernel_call, operands
+from pipelines import heuristic, kernel_call, operands
 from pipelines.batching import refusing_gradient
 from pipelines.config import FP8_DTYPE, Fp8Config, TuningConfig
 from pipelines.epilogue import Epilogue, checked_bias
@@ -86,12 +86,13 @@ def default_config(m: int, k: int, n: int, out_dtype=jnp.bfloat16, *, has_bias: 
   two, three = Fp8Config(), Fp8Config(compute_wgs=3)
   config = three if busiest_sm_rows(three) <= _THREE_WG_ROW_SPEEDUP * busiest_sm_rows(two) else two
   k_steps = max(1, -(-k // Fp8Config.TILE_K))
-  for steps in range(config.max_concurrent_steps, 1, -1):
-    deeper = dataclasses.replace(config, max_concurrent_steps=steps)
-    if deeper.smem_budget(k_steps, out_dtype, has_bias=has_bias,
-                          rhs_row_scales=rhs_row_scales).fits():
-      return deeper
-  return dataclasses.replace(config, max_concurrent_steps=1)
+
+  def fits(candidate: Fp8Config) -> bool:
+    return candidate.smem_budget(k_steps, out_dtype, has_bias=has_bias,
+                                 rhs_row_scales=rhs_row_scales).fits()
+
+  deepest = heuristic.deepest_fitting(config, range(config.max_concurrent_steps, 1, -1), fits)
+  return deepest or dataclasses.replace(config, max_concurrent_steps=1)
 
 
 def _checked_config(config: Fp8Config | None) -> Fp8Config | None:

@@ -21,6 +21,7 @@ from pipelines import kernel_call, operands
 from pipelines.config import (
   FP8_DTYPE,
   FP8_SCALE_BLOCK,
+  Fp8Config,
   MatmulDimension,
   Schedule,
   TuningConfig,
@@ -522,10 +523,11 @@ def _with_rhs_copy_us(config: TuningConfig, time_us: float, problem: operands.Ma
   return time_us + _rhs_padding_us(config, problem, out_dtype)
 
 
-def deepest_fitting(config: TuningConfig, stages, fits) -> TuningConfig | None:
-  """`config` with the first of `stages` (pipeline depths, deepest first) for
-  which `fits(config)` holds, or None if none does. Deeper pipelines hide
-  more load latency, so every default takes the deepest that its SMEM holds."""
+def deepest_fitting[C: (TuningConfig, Fp8Config)](config: C, stages, fits) -> C | None:
+  """`config` (a bf16/f16 or a block-scaled FP8 kernel's) with the first of
+  `stages` (pipeline depths, deepest first) for which `fits(config)` holds,
+  or None if none does. Deeper pipelines hide more load latency, so every
+  default takes the deepest that its SMEM holds."""
   for steps in stages:
     candidate = dataclasses.replace(config, max_concurrent_steps=steps)
     if fits(candidate):
