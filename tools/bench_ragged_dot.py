@@ -184,15 +184,45 @@ def ours_dense(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
   return matmul(lhs, rhs, config=config)
 
 
-def forward_references(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> dict:
+def _group_bounds(sizes) -> tuple[int, ...]:
+  """The rows [bounds[g], bounds[g + 1]) of each group, from sizes known on the host."""
+  return tuple(int(b) for b in np.concatenate([[0], np.cumsum(np.asarray(sizes))]))
+
+
+# The references multiply each group's rows alone, with the groups' rows as
+# static slices: XLA's float32 `lax.ragged_dot` on the GPU builds a (G, M, K)
+# temporary, 80 GB at deepseek-v2@4096 (160 experts), more than an H100 holds.
+@functools.partial(jax.jit, static_argnames="bounds")
+def _grouped_product(lhs, rhs, bounds):
+  highest = jax.lax.Precision.HIGHEST
+  parts = [jnp.dot(lhs[start:end], rhs[group], precision=highest)
+           for group, (start, end) in enumerate(itertools.pairwise(bounds))]
+  rows_past = jnp.zeros((lhs.shape[0] - bounds[-1], rhs.shape[2]), lhs.dtype)
+  return jnp.concatenate([*parts, rows_past])
+
+
+@functools.partial(jax.jit, static_argnames="bounds")
+def _grouped_weight_gradient(lhs, g, bounds):
+  highest = jax.lax.Precision.HIGHEST
+  return jnp.stack([jnp.dot(lhs[start:end].T, g[start:end], precision=highest)
+                    for start, end in itertools.pairwise(bounds)])
+
+
+def forward_references(lhs: jax.Array, rhs: jax.Array, sizes) -> dict:
   """The float32 products the forward pass's errors are measured against:
   "grouped", the ragged product (M, N) of lhs (M, K), rhs (G, K, N) and
-  sizes (G,); and "dense", lhs @ rhs[0], which `ours_dense` computes whatever
-  the routing."""
+  sizes (G,) (host values: each group is multiplied alone); and "dense",
+  lhs @ rhs[0], which `ours_dense` computes whatever the routing."""
   lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
-  highest = jax.lax.Precision.HIGHEST
-  return dict(grouped=jax.lax.ragged_dot(lhs, rhs, sizes, precision=highest),
-              dense=jnp.dot(lhs, rhs[0], precision=highest))
+  return dict(grouped=_grouped_product(lhs, rhs, _group_bounds(sizes)),
+              dense=jnp.dot(lhs, rhs[0], precision=jax.lax.Precision.HIGHEST))
+
+
+def weight_gradient_reference(lhs: jax.Array, g: jax.Array, sizes) -> jax.Array:
+  """The float32 (G, K, N) weight gradient, each group's lhs_g.T @ g_g, from
+  lhs (M, K), g (M, N) and sizes (G,) known on the host."""
+  return _grouped_weight_gradient(lhs.astype(jnp.float32), g.astype(jnp.float32),
+                                  _group_bounds(sizes))
 
 
 def _xla_weight_gradient(lhs, g, sizes, groups):
@@ -280,8 +310,7 @@ def _bench_weight_gradient(layer: MoeLayer, lhs, g, sizes, impls: list[str], ite
                            base: dict) -> list[dict]:
   """The weight gradient alone: (G, K, N), each group's `lhs_g.T @ g_g`."""
   flops = 2 * layer.m * layer.k * layer.n
-  want = _xla_weight_gradient(lhs.astype(jnp.float32), g.astype(jnp.float32), sizes,
-                              layer.groups)
+  want = weight_gradient_reference(lhs, g, sizes)
   fns = dict(dense=lambda a, b, s: jnp.dot(a.T, b),
              xla=functools.partial(_xla_weight_gradient, groups=layer.groups),
              ours=_our_weight_gradient)

@@ -101,6 +101,22 @@ class TimedProductsTest(testing.KernelTestCase):
     self.assertLess(relative_error(grouped, want["grouped"]), 1e-2)
     self.assertGreater(relative_error(dense, want["grouped"]), 0.5)
 
+  def test_references_are_xlas_ragged_products(self):
+    """The float32 references multiply each group alone (XLA's float32
+    `ragged_dot` on the GPU would need a (G, M, K) temporary): the same
+    products, with an empty group and rows past the groups."""
+    lhs = testing.random_array(6, (50, 32), jnp.bfloat16)
+    rhs = testing.random_array(7, (4, 32, 24), jnp.bfloat16)
+    g = testing.random_array(8, (50, 24), jnp.bfloat16)
+    sizes = jnp.array([10, 0, 25, 7], jnp.int32)
+    lhs32, rhs32, g32 = (x.astype(jnp.float32) for x in (lhs, rhs, g))
+    grouped = jax.lax.ragged_dot(lhs32, rhs32, sizes, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(bench.forward_references(lhs, rhs, sizes)["grouped"], grouped,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(bench.weight_gradient_reference(lhs, g, sizes),
+                               bench._xla_weight_gradient(lhs32, g32, sizes, 4),
+                               rtol=1e-5, atol=1e-5)
+
   def test_ours_and_xlas_are_the_same_gradient(self):
     """What the weight_gradient pass times: the same (G, K, N) on both sides."""
     lhs = testing.random_array(0, (200, 128), jnp.bfloat16)
