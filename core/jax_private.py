@@ -93,6 +93,79 @@ def recorded_race_states():
     gpu_callbacks.GPURaceDetectionState = original
 
 
+_register_lhs_wgmma_installed = False
+
+
+def interpret_wgmma_register_lhs() -> None:
+  """Lets the GPU interpreter run a `plgpu.wgmma` whose LHS is an array in registers.
+
+  Mosaic GPU compiles `plgpu.wgmma(acc, lhs, rhs_smem)` with `lhs` a
+  register array (loaded with `plgpu.load(..., layout=plgpu.Layout.WGMMA)`),
+  but jax 0.11.2's interpreter reads every wgmma operand from a buffer and
+  fails on an array. Its wgmma case is wrapped, once per process: where the
+  LHS is an array it adds `lhs @ rhs` to the accumulator as the interpreter
+  does (the accumulator and RHS read through the same shared-memory accesses,
+  so race detection sees the RHS read); every other wgmma is left to it.
+  """
+  global _register_lhs_wgmma_installed
+  check_jax_version()
+  if _register_lhs_wgmma_installed:
+    return
+  import functools
+
+  import numpy as np
+  from jax._src import callback
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret
+  from jax._src.pallas.mosaic_gpu.interpret import shared_memory as gpu_memory
+  from jax._src.state import types as state_types
+
+  interpreter = jaxpr_interpret.JaxprInterpreter
+  ref_lhs_wgmma = interpreter._interpret_wgmma_ref_p  # noqa: SLF001
+
+  @gpu_callbacks.fail_on_exception
+  def wgmma_register_lhs(*, token, mesh_location, thread, acc_allocation_key_as_array,
+                         acc_transforms, lhs, rhs_allocation_key_as_array, rhs_transforms,
+                         source_info=None):
+    shared_memory = gpu_callbacks._get_shared_memory()  # noqa: SLF001
+    logging_info = gpu_memory.GPULoggingInfo(mesh_location, thread, source_info)
+
+    def access(key_as_array, transforms):
+      key = gpu_callbacks.HostAllocationKey.from_array(key_as_array)
+      transforms = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(transforms))  # noqa: SLF001
+      return key, shared_memory.access(key, transforms)
+
+    rhs_key, rhs_range = access(rhs_allocation_key_as_array, rhs_transforms)
+    rhs, _, _ = shared_memory.get_buffer_content(rhs_key, rhs_range, thread,
+                                                 logging_info=logging_info)
+    acc_key, acc_range = access(acc_allocation_key_as_array, acc_transforms)
+    acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, thread,
+                                                 logging_info=logging_info)
+    shared_memory.store_buffer_content(acc_key, acc_range,
+                                       acc + np.matmul(np.asarray(lhs), rhs, dtype=acc.dtype),
+                                       thread, logging_info=logging_info)
+    return token
+
+  def interpret_wgmma(self, eqn, token, get_invals):
+    if isinstance(eqn.invars[1].aval, state_types.AbstractRef):
+      return ref_lhs_wgmma(self, eqn, token, get_invals)
+    acc, lhs, rhs, *leaves = get_invals()
+    empty = jax.tree.structure([])
+    acc_transforms, _, rhs_transforms = jax.tree.unflatten(
+        jax.tree_util.treedef_tuple(tuple(eqn.params[f"{name}_transforms_tree"] or empty
+                                          for name in ("acc", "a", "b"))),
+        leaves)
+    acc, acc_transforms = jaxpr_interpret.resolve_ref(eqn.invars[0].aval, acc, acc_transforms)
+    rhs, rhs_transforms = jaxpr_interpret.resolve_ref(eqn.invars[2].aval, rhs, rhs_transforms)
+    return callback.io_callback(
+        functools.partial(wgmma_register_lhs, source_info=eqn.source_info),
+        gpu_callbacks.TOKEN_SHAPE_DTYPE, token=token, mesh_location=self.mesh_location,
+        thread=self.thread, acc_allocation_key_as_array=acc, acc_transforms=acc_transforms,
+        lhs=lhs, rhs_allocation_key_as_array=rhs, rhs_transforms=rhs_transforms), []
+
+  interpreter._interpret_wgmma_ref_p = interpret_wgmma  # noqa: SLF001
+  _register_lhs_wgmma_installed = True
+
+
 # --- Mosaic GPU -----------------------------------------------------------------------
 
 

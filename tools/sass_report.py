@@ -61,7 +61,7 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 """
 # ptxas's note that it waits for every wgmma of the kernel.
 SERIALIZED_WGMMA = "C7514"
-OPS = ("matmul", "ragged_dot", "fp8_matmul", "fp8_linear_step")
+OPS = ("matmul", "gated_linear_unit", "ragged_dot", "fp8_matmul", "fp8_linear_step")
 # Bytes of one element of each HLO element type a report may meet.
 _HLO_ITEMSIZE = dict(pred=1, s8=1, u8=1, f8e4m3fn=1, f8e5m2=1, bf16=2, f16=2, s32=4, u32=4,
                      f32=4, s64=8, f64=8)
@@ -143,7 +143,7 @@ def parse_request(op: str, shapes: str, config: str) -> tuple[list[tuple[int, ..
   default for each problem). Raises ValueError naming a bad shape or field."""
   from pipelines import Fp8Config, TuningConfig
   problems = [cli.parse_shape(text) for text in shapes.split(",")]
-  config_type = TuningConfig if op in ("matmul", "ragged_dot") else Fp8Config
+  config_type = TuningConfig if op in ("matmul", "gated_linear_unit", "ragged_dot") else Fp8Config
   return problems, cli.parse_config(config_type, config) if config else None
 
 
@@ -177,6 +177,11 @@ def _compile_op(op: str, shape: tuple[int, ...], *, groups: int, config,
                               transpose_rhs=transpose_rhs, config=config)
     args = (spec((k, m) if transpose_lhs else (m, k), bf16),
             spec((n, k) if transpose_rhs else (k, n), bf16))
+  elif op == "gated_linear_unit":
+    def fn(x, w_gate, w_up):
+      return pipelines.gated_linear_unit(x, w_gate, w_up, transpose_rhs=transpose_rhs,
+                                         config=config)
+    args = (spec((m, k), bf16), *[spec((n, k) if transpose_rhs else (k, n), bf16)] * 2)
   elif op == "ragged_dot":
     def fn(lhs, rhs, group_sizes):
       return pipelines.ragged_dot(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
