@@ -11,7 +11,6 @@ from core.memory import (
     TMEM,
     accumulator,
     barrier,
-    order_smem_loads_before_refill,
     require_space,
     smem,
     store_tile,
@@ -26,8 +25,7 @@ from core.smem_budget import SmemBudget, SmemBuffer
 __all__ = [
     "GMEM", "REGS", "SMEM", "TMEM", "HOPPER_DEFAULTS", "DeviceFacts", "PipelineOptions",
     "SmemBudget", "SmemBuffer", "accumulator", "barrier", "compiler_params", "device_facts",
-    "has_gpu", "interpret_mode", "interpret_params", "is_interpreting",
-    "order_smem_loads_before_refill", "races_found",
+    "has_gpu", "interpret_mode", "interpret_params", "is_interpreting", "races_found",
     "require_space", "sequential_grid_semantics", "smem", "store_tile", "swizzle_bytes",
     "tile_transforms",
     "tma_boxes", "tma_copies_in_place", "tma_swizzle",

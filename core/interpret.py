@@ -117,15 +117,14 @@ def interpret_params() -> plgpu.InterpretGPUParams | None:
   forced = _forced.get()
   if forced is False:
     return None
-  if forced is None:
-    wanted = _env_flag(INTERPRET_ENV)
-    if wanted is None:
-      wanted = not device.has_gpu()
-    if not wanted:
-      return None
-  # Kernels may multiply from registers (`TuningConfig.lhs_in_registers`).
-  jax_private.interpret_wgmma_register_lhs()
-  return forced or _params(bool(_env_flag(DETECT_RACES_ENV)), TMA_THREADS_PER_DEVICE)
+  if forced is not None:
+    return forced
+  wanted = _env_flag(INTERPRET_ENV)
+  if wanted is None:
+    wanted = not device.has_gpu()
+  if not wanted:
+    return None
+  return _params(bool(_env_flag(DETECT_RACES_ENV)), TMA_THREADS_PER_DEVICE)
 
 
 @functools.cache

@@ -22,7 +22,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from core.device import WGMMA_M, WGMMA_N_MULTIPLE
-from core.interpret import is_interpreting
 
 GMEM = plgpu.GMEM
 SMEM = plgpu.SMEM
@@ -162,27 +161,6 @@ def store_tile(value, out_gmem) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   pl.run_scoped(store, smem(out_gmem.shape, out_gmem.dtype, swizzled=True))
-
-
-def order_smem_loads_before_refill(*, released_by_arrive: bool) -> None:
-  """Orders a pipeline step's register loads from its SMEM slots before the
-  TMA copies that refill those slots after the step.
-
-  Where the slots are refilled only after this warpgroup's mbarrier arrive
-  (`released_by_arrive`: a memory warpgroup refills them), the GPU needs no
-  instruction for it: the arrive's release semantics order the earlier
-  loads before it, and the memory warpgroup starts the refill only after it
-  observes the arrive (CUTLASS's and DeepGEMM's consumers read their SMEM
-  slots the same way). The interpreter's race detector, though, orders a
-  thread's SMEM reads before a TMA write only through a proxy fence
-  (`plgpu.commit_smem`), so in interpret mode they get one. Where the
-  warpgroup issues the refill itself (`emit_pipeline`), nothing but program
-  order stands between the loads and the copy, so the fence stays. On the
-  GPU the fence is a memory barrier, the async-proxy fence and a barrier of
-  the warpgroup: a cost in every K step.
-  """
-  if is_interpreting() or not released_by_arrive:
-    plgpu.commit_smem()
 
 
 def accumulator(shape: tuple[int, int]):

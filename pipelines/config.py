@@ -392,12 +392,6 @@ class TuningConfig:
       columns wide: a (K, N) RHS of so few columns is rows of 16-32 bytes,
       read in a narrow swizzle, where (N, K) rows are whole 128-byte
       segments along K under 16-column tiles. The copy is N x K elements.
-    lhs_in_registers: each compute warpgroup loads its LHS tile of every K
-      step from SMEM into registers once and issues the step's wgmmas from
-      them (cooperative schedule, an (M, K) LHS). A wgmma with its LHS in SMEM
-      reads it again for each RHS tile it multiplies, so a warpgroup with
-      several (a gated unit's two products, `rhs_tile_n`) reads the LHS
-      that many times a step, from the SMEM bandwidth the TMA copies share.
   """
 
   tile_m: int = 128
@@ -415,7 +409,6 @@ class TuningConfig:
   cluster_m: int = 1
   swap_operands: bool = False
   transpose_rhs_first: bool = False
-  lhs_in_registers: bool = False
 
   def __post_init__(self):
     _check_tiles(self.tile_m, self.tile_n, self.tile_k)
@@ -436,7 +429,7 @@ class TuningConfig:
       if self.tile_n % self.rhs_tile_n or self.rhs_tile_n % self.epi_tile_n:
         raise ValueError(f"rhs_tile_n={self.rhs_tile_n} must divide tile_n={self.tile_n} and be "
                          f"a multiple of epi_tile_n={self.epi_tile_n}")
-    for name in ("swap_operands", "transpose_rhs_first", "lhs_in_registers"):
+    for name in ("swap_operands", "transpose_rhs_first"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if self.swap_operands and self.transpose_rhs_first:
@@ -444,7 +437,7 @@ class TuningConfig:
                        "transposed product reads the LHS's rows as its RHS")
     if self.cluster_m not in CLUSTER_SIZES:
       raise ValueError(f"cluster_m={self.cluster_m!r} must be one of {CLUSTER_SIZES}")
-    for name, default in (("rhs_tile_n", None), ("cluster_m", 1), ("lhs_in_registers", False)):
+    for name, default in (("rhs_tile_n", None), ("cluster_m", 1)):
       if getattr(self, name) != default and self.schedule != Schedule.COOPERATIVE:
         raise ValueError(f"{name}={getattr(self, name)} needs schedule=Schedule.COOPERATIVE, "
                          f"not {self.schedule!r}")

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import accumulator, barrier, order_smem_loads_before_refill, tile_transforms
+from core import accumulator, barrier, tile_transforms
 from pipelines.config import (
   FP8_DTYPE,
   FP8_SCALE_BLOCK,
@@ -439,12 +439,6 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
           lhs_operand = lhs_smem.at[:, wg_m_slice].T
         else:
           lhs_operand = lhs_smem.at[wg_m_slice]
-          if config.lhs_in_registers:
-            # Read from SMEM once for all of the step's wgmmas, which would
-            # each read it again (`TuningConfig.lhs_in_registers`). The
-            # memory warpgroup refills the slot after this warpgroup's arrive.
-            lhs_operand = plgpu.load(lhs_operand, layout=plgpu.Layout.WGMMA)
-            order_smem_loads_before_refill(released_by_arrive=True)
         rhs_operands = [rhs.T if layout.transpose_rhs else rhs for rhs in rhs_smems]
         per_wg = config.rhs_tiles_per_wg
         # Each RHS operand (the gate's and the up projection's, where gated)

@@ -156,19 +156,15 @@ class CooperativeMatmulTest(base.MatmulTestBase):
                epilogue=Epilogue(activation="gelu", has_bias=fields.get("k_splits", 1) == 1))
 
   @parameterized.parameters(
-      (MatmulDimension.M, base.NN, False), (MatmulDimension.N, base.NN, False),
-      (MatmulDimension.M, base.LAYOUTS[1], False),
-      (MatmulDimension.M, base.NN, True), (MatmulDimension.N, base.LAYOUTS[1], True))
-  def test_rhs_tiles_narrower_than_the_warpgroup_tile(self, wg_dimension, layout,
-                                                      lhs_in_registers):
+      (MatmulDimension.M, base.NN), (MatmulDimension.N, base.NN),
+      (MatmulDimension.M, base.LAYOUTS[1]))
+  def test_rhs_tiles_narrower_than_the_warpgroup_tile(self, wg_dimension, layout):
     """128-column warpgroup tiles loaded as two 64-column RHS tiles, one wgmma
     and one accumulator each (`TuningConfig.rhs_tile_n`): a (K, N) RHS with
-    N = 360 is read in place as boxes; an (N, K) one is tiled along K. Both
-    wgmmas read the LHS tile from SMEM, or from registers it was loaded into
-    once (`TuningConfig.lhs_in_registers`)."""
+    N = 360 is read in place as boxes; an (N, K) one is tiled along K."""
     self.check((192, 128, 360), jnp.bfloat16, seed=55, layout=layout, num_blocks=3,
                config_fields=dict(tile_n=128, rhs_tile_n=64, epi_tile_n=32,
-                                  wg_dimension=wg_dimension, lhs_in_registers=lhs_in_registers),
+                                  wg_dimension=wg_dimension),
                epilogue=Epilogue(activation="relu", has_bias=True))
 
   @parameterized.parameters(

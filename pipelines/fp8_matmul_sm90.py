@@ -30,14 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from core import (
-  accumulator,
-  barrier,
-  order_smem_loads_before_refill,
-  smem,
-  tile_transforms,
-  tma_boxes,
-)
+from core import accumulator, barrier, is_interpreting, smem, tile_transforms, tma_boxes
 from pipelines.config import NUM_COMPUTE_WGS, Fp8Config
 from pipelines.epilogue import Epilogue
 from pipelines.fp8_quantize import block_scales
@@ -329,7 +322,7 @@ def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_sme
     released_by_arrive: whether the step's slots are refilled only after an
       mbarrier arrive of this warpgroup (the warp-specialized pipelines), or
       by this warpgroup itself (`emit_pipeline`): see
-      `core.order_smem_loads_before_refill`.
+      `_order_scale_loads_before_refill`.
   """
   def block_product(acc_ref):
     plgpu.wgmma(acc_ref, lhs_operand, rhs_smem.T)
@@ -357,13 +350,32 @@ def _add_scaled_block_product(running_sum, lhs_operand, rhs_smem, row_scales_sme
 def _ordered_scale_factors(row_scales_smem, shape, *, released_by_arrive: bool,
                            **rhs_scales) -> jax.Array:
   """`_block_scale_factors`, its SMEM loads ordered before the TMA copies
-  that refill the step's slots after the step (`core.order_smem_loads_before_refill`).
-  Leaving the fence out on the GPU where a memory warpgroup refills the
-  slots made the forward 1.02-1.04x faster on an H100 (docs/performance-log.md,
-  "The fence after the scale loads")."""
+  that refill the step's slots after the step (`_order_scale_loads_before_refill`)."""
   scales = _block_scale_factors(row_scales_smem, shape, **rhs_scales)
-  order_smem_loads_before_refill(released_by_arrive=released_by_arrive)
+  _order_scale_loads_before_refill(released_by_arrive=released_by_arrive)
   return scales
+
+
+def _order_scale_loads_before_refill(*, released_by_arrive: bool) -> None:
+  """Orders a step's SMEM loads of scales before the TMA copies that refill
+  the step's slots.
+
+  Where the slots are refilled only after this warpgroup's mbarrier arrive
+  (`released_by_arrive`: a memory warpgroup refills them), the GPU needs no
+  instruction for it: the arrive's release semantics order the earlier
+  loads before it, and the memory warpgroup starts the refill only after it
+  observes the arrive. (Block-scaled GEMMs in CUTLASS and DeepGEMM read
+  their scales from SMEM the same way.) The interpreter's race detector,
+  though, orders a thread's SMEM reads before a TMA write only through a
+  proxy fence (`commit_smem`), so in interpret mode they get one. Where this
+  warpgroup issues the refill itself (`emit_pipeline`), nothing but program
+  order stands between the loads and the copy, so the fence stays. On the
+  GPU it is a memory barrier, the async-proxy fence and a barrier of the
+  warpgroup every K step, whose removal made the forward 1.02-1.04x faster on
+  an H100 (docs/performance-log.md, "The fence after the scale loads").
+  """
+  if is_interpreting() or not released_by_arrive:
+    plgpu.commit_smem()
 
 
 def _add_two_scaled_block_products(running_sum, indices, lhs_operand, rhs_smem,
@@ -407,12 +419,12 @@ def _add_two_scaled_block_products(running_sum, indices, lhs_operand, rhs_smem,
     # warp-specialized kernels take two blocks a step, so a memory warpgroup
     # refills the slots, after this warpgroup's arrive.
     if second_factors is not None:
-      order_smem_loads_before_refill(released_by_arrive=True)
+      _order_scale_loads_before_refill(released_by_arrive=True)
     # The first block's wgmmas are done, the second's may run on.
     partial = running_sum + plgpu.wgmma_accumulator_load(acc_first, wait_n=1) * first_factors
     if second_factors is None:
       second_factors = factors(1)
-      order_smem_loads_before_refill(released_by_arrive=True)
+      _order_scale_loads_before_refill(released_by_arrive=True)
     return partial + plgpu.wgmma_accumulator_load(acc_second, wait_n=0) * second_factors
 
   return pl.run_scoped(products, accumulator(running_sum.shape),

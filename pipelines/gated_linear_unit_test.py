@@ -36,8 +36,6 @@ SMALL = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
 SMALL_SPLIT_N = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=3,
                              wg_dimension=MatmulDimension.N, rhs_tile_n=64)
 RAGGED = (200, 192, 328)
-# Each warpgroup's x tile loaded into registers once for both products.
-SMALL_IN_REGISTERS = dataclasses.replace(SMALL, lhs_in_registers=True)
 
 
 def reference(x, w_gate, w_up, activation):
@@ -81,11 +79,6 @@ class GatedLinearUnitTest(testing.KernelTestCase):
 
   @parameterized.named_parameters(
       ("warpgroups_split_n", dict(config=SMALL_SPLIT_N)),
-      ("lhs_in_registers", dict(config=SMALL_IN_REGISTERS, activation="gelu")),
-      ("lhs_in_registers_split_n_fused", dict(
-          config=dataclasses.replace(SMALL_SPLIT_N, lhs_in_registers=True), fused=True)),
-      ("lhs_in_registers_transposed_weights", dict(config=SMALL_IN_REGISTERS,
-                                                   transpose_rhs=True)),
       ("transposed_weights", dict(transpose_rhs=True)),
       ("float32_out", dict(out_dtype=jnp.float32)),
       ("float16", dict(dtype=jnp.float16, activation="gelu")),
@@ -161,9 +154,6 @@ class GatedLinearUnitTest(testing.KernelTestCase):
 
   def test_gradients_of_transposed_weights(self):
     self.check_grads(RAGGED, activation="gelu", transpose_rhs=True)
-
-  def test_gradients_with_x_in_registers(self):
-    self.check_grads(RAGGED, config=SMALL_IN_REGISTERS)
 
   @parameterized.parameters(range(6))
   def test_random_problems(self, seed):

@@ -177,7 +177,10 @@ _MIN_SPLIT_K_NARROW = 256
 _NARROW_STAGES = (8, 6, 4, 3, 2)
 # A warpgroup tile's main loop, in one-segment RHS tiles (`TuningConfig.rhs_tile_n`),
 # relative to one RHS tile of its width, by the number of segments: each is a
-# wgmma of its own, which reads the LHS tile from SMEM again. On an H200: 1.6-2%
+# wgmma of its own. Not because each rereads the LHS tile from SMEM: loading
+# that tile into registers once a K step for all four segments left 8192x4096x3000
+# and 8192x4096x14000 within 0.3% on an H100 (docs/performance-log.md, "The
+# LHS tile in registers for several wgmmas"). On an H200: 1.6-2%
 # for 128x192 CTA tiles on aligned rows (1000x4096x3072); 128x256 ones in place
 # ran 3.5% slower than with a 16 us pad of the RHS at 8192x4096x3000, 1.8% at
 # 8192x8192x4040 (bf16), and 2% faster at 4096x4096x4040 and 4096x1024x4040,
@@ -563,7 +566,7 @@ def _with_rhs_in_place(config: TuningConfig, problem: operands.MatmulProblem,
   along M that share each RHS tile by multicast (`TuningConfig.cluster_m`)
   halve those reads. On an H200 at 1000x4096x3000 (f16): 51.0 us padded,
   41.0 in place, 35.7 in place with clusters (`jnp.dot`: 35.6). Each extra
-  RHS tile costs the main loop a wgmma that rereads the LHS tile from SMEM
+  RHS tile costs the main loop a wgmma of its own
   (`_ONE_SEGMENT_RHS_TILES_COST`), so the change is made where the model
   has it spare more than that: the RHS copy (`operands.copy_us`) or the
   narrower swizzle's slowdown. Only for M over `_IN_PLACE_RHS_MAX_M`:

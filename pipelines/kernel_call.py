@@ -148,10 +148,6 @@ def check_ws_config(config: TuningConfig, problem: operands.MatmulProblem, out_d
                        "the gated unit, the grouped matmul or a ring kernel, nor with column "
                        f"scales or a float8_e4m3fn output; use {name}=False")
   config, problem, out_dtype, has_bias = kernel_problem(config, problem, out_dtype, has_bias)
-  if config.lhs_in_registers and problem.layout.transpose_lhs:
-    raise ValueError(f"{config!r}: lhs_in_registers loads (M, K) LHS tiles; a (K, M) LHS "
-                     "(transpose_lhs, or the grouped matmul's weight gradient) is read by "
-                     "the wgmmas from SMEM: use lhs_in_registers=False")
   if jnp.dtype(out_dtype) == FP8_DTYPE and (
       config.schedule != Schedule.COOPERATIVE or config.k_splits != 1
       or config.epi_tile_n != FP8_SCALE_BLOCK or config.cluster_m != 1):

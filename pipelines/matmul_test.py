@@ -802,12 +802,6 @@ class BadInputTest(parameterized.TestCase):
       TuningConfig(cluster_m=4)
     with self.assertRaisesRegex(ValueError, "cluster_m=2 needs schedule=Schedule.COOPERATIVE"):
       TuningConfig(cluster_m=2, schedule=Schedule.PINGPONG)
-    with self.assertRaisesRegex(ValueError,
-                                "lhs_in_registers=True needs schedule=Schedule.COOPERATIVE"):
-      TuningConfig(lhs_in_registers=True, schedule=Schedule.PINGPONG)
-    with self.assertRaisesRegex(ValueError, r"lhs_in_registers loads \(M, K\) LHS tiles"):
-      matmul(jnp.zeros((512, 512), jnp.float16), rhs[:512], transpose_lhs=True,
-             config=TuningConfig(lhs_in_registers=True))
 
   def test_operand_swizzles_must_match(self):
     """A K tile narrower than 128 bytes would give the pipelined kernels'

@@ -103,9 +103,6 @@ class RaggedDotTest(testing.KernelTestCase):
       # Edge sub-tiles 256 bytes wide go out in two 128-byte column chunks.
       ("wide_epilogue_tiles", dict(group_sizes=UNEVEN, n=256, config=dataclasses.replace(
           SPLIT_M, tile_n=128, epi_tile_n=128))),
-      # Each warpgroup's LHS tile loaded into registers once for its two RHS tiles.
-      ("lhs_in_registers", dict(group_sizes=UNEVEN, n=200, config=dataclasses.replace(
-          SPLIT_M, tile_n=128, rhs_tile_n=64, lhs_in_registers=True))),
   )
   def test_group_shapes_layouts_and_dtypes(self, overrides):
     self.check_forward(**overrides)

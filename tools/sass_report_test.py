@@ -122,6 +122,8 @@ class SassReportTest(absltest.TestCase):
                                                "max_concurrent_steps=2")[1],
                      Fp8Config(k_blocks_per_step=2, max_concurrent_steps=2))
     self.assertIsNone(sass_report.parse_request("fp8_linear_step", "8x8x8", "")[1])
+    self.assertEqual(sass_report.parse_request("gated_linear_unit", "8x8x8", "tile_m=64")[1],
+                     TuningConfig(tile_m=64))
     with self.assertRaisesRegex(ValueError, "shape '4096x4096' must be 3 positive integers"):
       sass_report.main(["--op=matmul", "--shapes=4096x4096"])
     with self.assertRaisesRegex(ValueError, "TuningConfig has no field 'tile_q'"):
