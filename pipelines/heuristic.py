@@ -266,6 +266,18 @@ _PINGPONG_CONFIG = TuningConfig(tile_m=128, tile_n=192, tile_k=64, max_concurren
                                 grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
                                 schedule=Schedule.PINGPONG)
 _PINGPONG_SHORT_K = 2048
+# Up to this K, ping-pong's tiles advance along N (`TuningConfig.grid_minor_dim`)
+# where the output is wider than tall, so that each band of `grid_tile_width`
+# tiles spans the shorter output dimension. Such a K loop is a few steps and
+# the output's stores set the time: on an H100, 8192x256x28672 TN (a weight
+# gradient of llama3-70b at 256 tokens, fitted) ran 9% faster along N (213.4
+# against 234.0 us; jnp.dot 214.8) and 28672x256x8192 7% slower (221.6 against
+# 205.7), every round within 0.5%. Judged on qwen2.5-14b at 512 tokens, of
+# the models suite's check half, measured in the same run: 5120x512x13824
+# 4.7% faster along N (101.8 against 106.6 us; jnp.dot 102.3), 13824x512x5120
+# 5.5% slower (docs/performance-log.md, "Weight gradients at a few hundred
+# tokens: the grid's order"). Longer K was not measured with N > M.
+_GRID_ALONG_N_MAX_K = 512
 # Where the largest tile fills at least one wave, the tiles weighed: 128x256,
 # 128x192 and 128x128, each by the output elements its busiest SM computes
 # times its cost per multiply-add. The 128x128 tile's cost (1.1, fitted to
@@ -616,7 +628,8 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   where it leaves the busiest SM no more output, or at most 5% more where
   K <= 2048 and the epilogue it hides is a larger share of the time
   (16384x1024x8192: 6.5% faster than 128x256; 8192x4096x28672, (K, M) LHS:
-  9% faster).
+  9% faster). At K <= 512 with N > M its tiles advance along N
+  (`_GRID_ALONG_N_MAX_K`; 8192x256x28672 TN on an H100: 9% faster).
 
   Problems with too few 128x256 tiles to fill the SMs get the CTA tile and
   split of K (`TuningConfig.k_splits`) with the least modelled time
@@ -836,6 +849,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
                             key=lambda option: option[1])
     splits = 1
     pingpong = _PINGPONG_CONFIG
+    if problem.k <= _GRID_ALONG_N_MAX_K and problem.n > problem.m:
+      pingpong = dataclasses.replace(pingpong, grid_minor_dim=MatmulDimension.N)
     max_extra_work = (_PINGPONG_SHORT_K_MAX_EXTRA_WORK if problem.k <= _PINGPONG_SHORT_K
                       else _PINGPONG_MAX_EXTRA_WORK)
     if (not cooperative_only

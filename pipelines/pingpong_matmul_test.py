@@ -15,6 +15,7 @@ from absl.testing import absltest, parameterized
 from core import interpret, testing
 from pipelines import (
   Epilogue,
+  MatmulDimension,
   Schedule,
   TuningConfig,
   matmul,
@@ -23,6 +24,7 @@ from pipelines import (
   ws_matmul,
 )
 from pipelines import matmul_test_base as base
+from pipelines.operands import OperandLayout
 
 SMALL_PINGPONG = TuningConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
                               epi_tile_m=64, epi_tile_n=32, grid_tile_width=2,
@@ -52,6 +54,15 @@ class PingPongMatmulTest(base.MatmulTestBase):
   def test_ring_of_slots_across_tiles(self, num_blocks, shape, dtype, steps, epilogue):
     self.check(shape, dtype, seed=14, epilogue=epilogue, num_blocks=num_blocks,
                config_fields=dict(max_concurrent_steps=steps))
+
+  @parameterized.parameters(*MatmulDimension)
+  def test_tile_order(self, grid_minor_dim):
+    """Tiles advance along either output dimension (the heuristic orders a
+    weight gradient's tiles at short K along N): 3x5 tiles of a (K, M) LHS on
+    2 blocks, in bands of 2 that leave a part band, with a ragged last column."""
+    self.check((192, 128, 296), jnp.bfloat16, seed=41, num_blocks=2,
+               layout=OperandLayout(transpose_lhs=True),
+               config_fields=dict(grid_minor_dim=grid_minor_dim))
 
   def test_memory_warpgroup_that_ignores_releases_is_caught(self):
     """Caught by the race detector or by the interpreter's barrier-phase check
