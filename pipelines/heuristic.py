@@ -266,6 +266,20 @@ _PINGPONG_CONFIG = TuningConfig(tile_m=128, tile_n=192, tile_k=64, max_concurren
                                 grid_minor_dim=MatmulDimension.M, grid_tile_width=8,
                                 schedule=Schedule.PINGPONG)
 _PINGPONG_SHORT_K = 2048
+# From 4 to 16 K steps the epilogue that ping-pong hides is a larger share
+# still: there it wins at up to 12.5% more elements on the busiest SM. On an
+# H100 (bf16), where it leaves 1.125x the elements of the cooperative 128x256
+# tile, Llama 3's weight gradients (fitted): at K = 256, 2048x256x8192 and
+# 8192x256x2048 TN ran 22-23% faster; at K = 512, 2048x512x8192,
+# 8192x512x2048 and 4096x512x4096 TN 11-13% faster; at K = 1024,
+# 2048x1024x8192, 8192x1024x2048 and 4096x1024x4096 TN 0.6-1.8% faster. At
+# K = 2048 ten such products of both halves ran 2-5% slower, and with one or
+# two K steps there is no loop to hide an epilogue under: 8192x128x2048 TN
+# 7% slower, 4096x80x4096 and 4096x48x4096 NN 3-8% slower. Judged on
+# DeepSeek-V2-Lite's kv_b_proj, 2048x512x4096 NN of the models suite's check
+# half: 5.3% (bf16) and 4.6% (f16) faster; and 14336x1024x3584 TN (no suite,
+# 1.0625x): 8.3% faster (docs/performance-log.md, "Ping-pong at K of 256-1024").
+_PINGPONG_SHORTER_K = (256, 1024)
 # Up to this K, ping-pong's tiles advance along N (`TuningConfig.grid_minor_dim`)
 # where the output is wider than tall, so that each band of `grid_tile_width`
 # tiles spans the shorter output dimension. Such a K loop is a few steps and
@@ -276,7 +290,11 @@ _PINGPONG_SHORT_K = 2048
 # the models suite's check half, measured in the same run: 5120x512x13824
 # 4.7% faster along N (101.8 against 106.6 us; jnp.dot 102.3), 13824x512x5120
 # 5.5% slower (docs/performance-log.md, "Weight gradients at a few hundred
-# tokens: the grid's order"). Longer K was not measured with N > M.
+# tokens: the grid's order"). Checked on five more at K <= 512 with N > M
+# (wins of 5.3-5.4%, losses of 1.1-1.7%); at K = 1024 order N ran 0.3-1.8%
+# faster on nine of ten and 6.4% slower on 4096x1024x11008 TN, at K = 2048
+# 18% slower on 8192x2048x28672 TN, so the rule stops at 512
+# (docs/performance-log.md, "Ping-pong at K of 256-1024, and the grid's order checked").
 _GRID_ALONG_N_MAX_K = 512
 # Where the largest tile fills at least one wave, the tiles weighed: 128x256,
 # 128x192 and 128x128, each by the output elements its busiest SM computes
@@ -291,6 +309,7 @@ _FULL_WAVE_TILES = 3
                         | {_PINGPONG_CONFIG.tile_k, _TILE_128X64.tile_k,
                            _NARROW_DECODE_TILE[0].tile_k})
 _PINGPONG_SHORT_K_MAX_EXTRA_WORK = 1.05
+_PINGPONG_SHORTER_K_MAX_EXTRA_WORK = 1.125
 _PINGPONG_MAX_EXTRA_WORK = 1.0
 # K steps for a K that one step covers (`_with_short_k_step`): the 16-bit
 # wgmma's K granule and twice it (32- and 64-byte swizzled rows).
@@ -628,7 +647,8 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   where it leaves the busiest SM no more output, or at most 5% more where
   K <= 2048 and the epilogue it hides is a larger share of the time
   (16384x1024x8192: 6.5% faster than 128x256; 8192x4096x28672, (K, M) LHS:
-  9% faster). At K <= 512 with N > M its tiles advance along N
+  9% faster), and at most 12.5% more where K is 256-1024 (`_PINGPONG_SHORTER_K`;
+  2048x512x4096: 5% faster on an H100). At K <= 512 with N > M its tiles advance along N
   (`_GRID_ALONG_N_MAX_K`; 8192x256x28672 TN on an H100: 9% faster).
 
   Problems with too few 128x256 tiles to fill the SMs get the CTA tile and
@@ -851,8 +871,12 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
     pingpong = _PINGPONG_CONFIG
     if problem.k <= _GRID_ALONG_N_MAX_K and problem.n > problem.m:
       pingpong = dataclasses.replace(pingpong, grid_minor_dim=MatmulDimension.N)
-    max_extra_work = (_PINGPONG_SHORT_K_MAX_EXTRA_WORK if problem.k <= _PINGPONG_SHORT_K
-                      else _PINGPONG_MAX_EXTRA_WORK)
+    if _PINGPONG_SHORTER_K[0] <= problem.k <= _PINGPONG_SHORTER_K[1]:
+      max_extra_work = _PINGPONG_SHORTER_K_MAX_EXTRA_WORK
+    elif problem.k <= _PINGPONG_SHORT_K:
+      max_extra_work = _PINGPONG_SHORT_K_MAX_EXTRA_WORK
+    else:
+      max_extra_work = _PINGPONG_MAX_EXTRA_WORK
     if (not cooperative_only
         and _waves_cost(problem, pingpong) <= max_extra_work * tiles_cost
         and kernel_call.ws_smem_budget(pingpong, problem, out_dtype,

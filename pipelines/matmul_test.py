@@ -688,10 +688,17 @@ class ConfigChoiceTest(parameterized.TestCase):
 
   def test_heuristic_takes_pingpong_where_its_waves_allow(self):
     """Ping-pong's 128x192 tiles where they leave the busiest SM no more work
-    than 128x256 ones, or at most 5% more where K is short."""
+    than 128x256 ones, at most 5% more where K <= 2048, or at most 12.5%
+    more where K is 256-1024 (4-16 K steps)."""
     for (m, k, n), schedule in (((16384, 1024, 8192), Schedule.PINGPONG),
                                 ((8192, 1024, 4096), Schedule.PINGPONG),  # 3% more work.
-                                ((4096, 1024, 4096), Schedule.COOPERATIVE),  # 12.5% more.
+                                # 12.5% more work: at K = 256-1024, not at K = 2048
+                                # nor at one or two K steps.
+                                ((4096, 1024, 4096), Schedule.PINGPONG),
+                                ((2048, 512, 4096), Schedule.PINGPONG),
+                                ((4096, 256, 4096), Schedule.PINGPONG),
+                                ((4096, 2048, 4096), Schedule.COOPERATIVE),
+                                ((4096, 128, 4096), Schedule.COOPERATIVE),
                                 # Long K: 1% less work, 1.6% less, the same, 1.6% less.
                                 ((8192, 4096, 14336), Schedule.PINGPONG),
                                 ((16384, 4096, 8192), Schedule.PINGPONG),
@@ -716,6 +723,8 @@ class ConfigChoiceTest(parameterized.TestCase):
     layout = ops.OperandLayout(transpose_lhs=True)
     for (m, k, n), minor in (((8192, 256, 28672), MatmulDimension.N),
                              ((5120, 512, 13824), MatmulDimension.N),
+                             # 12.5% more work than 128x256 tiles (K <= 1024).
+                             ((2048, 512, 8192), MatmulDimension.N),
                              ((28672, 256, 8192), MatmulDimension.M),
                              ((13824, 512, 5120), MatmulDimension.M),
                              ((8192, 1024, 28672), MatmulDimension.M),
