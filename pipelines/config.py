@@ -392,6 +392,16 @@ class TuningConfig:
       columns wide: a (K, N) RHS of so few columns is rows of 16-32 bytes,
       read in a narrow swizzle, where (N, K) rows are whole 128-byte
       segments along K under 16-column tiles. The copy is N x K elements.
+    chain_tiles: cooperative schedule: a block's tiles share one ring of
+      operand slots (`plgpu.emit_pipeline_warp_specialized`'s
+      `pipeline_state`), so the memory warpgroup loads a tile's first K steps
+      while the compute warpgroups finish the one before and store it.
+      Without it the memory warpgroup waits at the end of each tile until
+      every slot is released, and the next tile's first loads start only
+      then. Takes effect only where a tile's K steps are a multiple of
+      `max_concurrent_steps` (the ring's slots then line up across tiles),
+      outside grouped matmuls and pipeline callbacks. Off by default: it
+      has not been timed against the unchained pipeline.
   """
 
   tile_m: int = 128
@@ -409,6 +419,7 @@ class TuningConfig:
   cluster_m: int = 1
   swap_operands: bool = False
   transpose_rhs_first: bool = False
+  chain_tiles: bool = False
 
   def __post_init__(self):
     _check_tiles(self.tile_m, self.tile_n, self.tile_k)

@@ -77,7 +77,7 @@ def pipeline_buffer_names(config: TuningConfig, *, gated: bool = False) -> tuple
 
 def _operand_pipeline(config: TuningConfig, dtype, k_steps, delay_release: int,
                       layout: OperandLayout, step, compute_context, swizzle: int | None,
-                      num_rhs: int = 1, k_start=None):
+                      num_rhs: int = 1, k_start=None, chained: bool = False):
   """The memory warpgroup's pipeline of LHS and RHS tiles, as the operands are stored:
   (cta_m, tile_k) or (tile_k, cta_m), and `config.rhs_tiles` RHS tiles of
   (tile_k, rhs_tile_width) or (rhs_tile_width, tile_k) for each of `num_rhs`
@@ -88,7 +88,12 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps, delay_release: int,
   With `k_start` (a traced row, a multiple of `ROW_ALIGNMENT`; for a (K, M)
   LHS and a (K, N) RHS only), step kk reads the K rows from `k_start + kk *
   tile_k` of operands that hold all K rows, and `k_steps` may be traced:
-  a grouped matmul's ragged K."""
+  a grouped matmul's ragged K.
+
+  With `chained` (`chains_tiles`), consecutive calls share one ring of slots:
+  the memory warpgroup waits for each slot's release, the first call's
+  included (`release_all_slots` makes those), and never for the last
+  call's releases."""
   def spec(block_shape, index_map, collective_axes=None):
     return plgpu.BlockSpec(block_shape, index_map,
                            transforms=tile_transforms(block_shape[-1], dtype, swizzle=swizzle),
@@ -123,7 +128,48 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps, delay_release: int,
       num_compute_wgs=NUM_COMPUTE_WGS,
       max_concurrent_steps=config.max_concurrent_steps,
       compute_context=compute_context,
+      # Every call in the middle of the chain: no prologue that assumes free
+      # slots, and no wait at the end for the last steps' releases.
+      pipeline_state=plgpu.PipelinePipeline.STEADY if chained else None,
   )
+
+
+def chains_tiles(config: TuningConfig, k_steps: int, *, delay_release: int,
+                 grouped: bool, ragged_k: bool) -> bool:
+  """Whether a block's tiles run their K loops on one ring of operand slots
+  (`TuningConfig.chain_tiles`).
+
+  The slot of K step kk is kk % max_concurrent_steps in each tile's
+  pipeline, so the ring lines up across tiles only when a tile's K steps
+  are a multiple of the slots. Grouped matmuls skip some tiles' pipelines,
+  a ragged K's length is traced (a chained pipeline must be static), and a
+  pipeline callback holds slots past their step (`delay_release`). The
+  blocks of a cluster run the same tiles' worth of K steps in step
+  (`for_each_work_item`), so their shared slots chain alike.
+  """
+  return (config.chain_tiles and not (grouped or ragged_k or delay_release)
+          and k_steps % config.max_concurrent_steps == 0)
+
+
+def release_all_slots(pipeline_allocs, config: TuningConfig) -> None:
+  """Releases every slot of a chained operand pipeline once, before the
+  first tile: its memory warpgroup then finds them free, as a chain's first
+  call would otherwise assume by skipping its waits. Runs in each compute
+  warpgroup, which are the releases each slot's barrier counts."""
+  [consumed] = pipeline_allocs["flat_consumed_barrier_refs"]
+  for slot in range(config.max_concurrent_steps):
+    plgpu.barrier_arrive(consumed.at[slot])
+
+
+def await_last_releases(pipeline_allocs, config: TuningConfig) -> None:
+  """Waits, after a block's last tile, for the releases of a chained operand
+  pipeline's slots that no load waited for: the last tile's last K steps, or
+  `release_all_slots`'s where the block had no tile. Runs in the memory
+  warpgroup, which must observe every phase of the barriers it waits on
+  before they are freed."""
+  [consumed] = pipeline_allocs["flat_consumed_barrier_refs"]
+  for slot in range(config.max_concurrent_steps):
+    plgpu.barrier_wait(consumed.at[slot])
 
 
 def _zero_rows_of_other_groups(lhs_smem, first_row, start, end) -> None:
@@ -372,6 +418,10 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
              rows_smem=None, column_scales_smem=None, column_scales_loaded=None,
              out_scales_smem=None):
     wg = lax.axis_index(WG_AXIS)
+    chained = chains_tiles(config, k_steps, delay_release=delay_release, grouped=grouped,
+                           ragged_k=ragged_k)
+    if chained:
+      pl.when(wg < NUM_COMPUTE_WGS)(lambda: release_all_slots(pipeline_allocs, config))
 
     def work_item(split, m_tile, n_tile, _):
       # A cluster's second block past the last M tile (`for_each_work_item`)
@@ -532,7 +582,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
         # Each RHS spec picks its tiles of the CTA's columns.
         _operand_pipeline(config, dtype, item_k_steps if ragged_k else k_steps, delay_release,
                           layout, mma_step, compute_context, swizzle, num_rhs,
-                          k_start=k_start if ragged_k else None)(
+                          k_start=k_start if ragged_k else None, chained=chained)(
                               lhs_tiles, *rhs_tiles, allocations=pipeline_allocs)
       if ragged_k:
         # An empty group's gradient is zeros, with no K loop.
@@ -551,6 +601,8 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
           plgpu.barrier_wait(tile_drained)
 
     for_each_work_item(config, m_tiles, pl.cdiv(n, cta_n), work_item)
+    if chained:
+      pl.when(wg == NUM_COMPUTE_WGS)(lambda: await_last_releases(pipeline_allocs, config))
 
   # The last tile's stores must be done reading SMEM before the kernel
   # exits (their GMEM writes complete on their own).

@@ -50,6 +50,31 @@ class CooperativeMatmulTest(base.MatmulTestBase):
     self.check(shape, jnp.bfloat16, seed=19, epilogue=epilogue, num_blocks=num_blocks,
                config_fields=dict(max_concurrent_steps=steps))
 
+  @parameterized.parameters(
+      # 8 CTA tiles on 3 blocks (3, 3, 2 each), 4 K steps through 2 slots.
+      (3, (256, 256, 256), 2, 1, Epilogue(activation="gelu", has_bias=True)),
+      # One block runs all 4 tiles; 2 K steps through 2 slots.
+      (1, (256, 128, 128), 2, 1, Epilogue()),
+      # 4 tiles on 3 blocks, one of them with a single tile, which begins and
+      # ends its chain; 2 K ranges of 2 steps each.
+      (3, (128, 256, 128), 2, 2, Epilogue()),
+      # 3 K steps through 3 slots.
+      (2, (256, 192, 128), 3, 1, Epilogue(has_bias=True)),
+      # 2-CTA clusters, whose blocks share the RHS slots: 4 clusters' tiles
+      # on 2 clusters.
+      (4, (512, 128, 256), 2, 1, Epilogue(), 2),
+  )
+  def test_chained_tiles(self, num_blocks, shape, steps, k_splits, epilogue, cluster_m=1):
+    """`chain_tiles`: each block's tiles on one ring of slots, the next
+    tile's loads issued while the last one's K loop and epilogue finish."""
+    fields = dict(max_concurrent_steps=steps, k_splits=k_splits, cluster_m=cluster_m,
+                  chain_tiles=True)
+    config = dataclasses.replace(SMALL_WS, **fields)
+    k_steps = config.split_k_steps(shape[1])
+    self.assertEqual(k_steps % steps, 0, "the test must take the chained path")
+    self.check(shape, jnp.bfloat16, seed=61, epilogue=epilogue, num_blocks=num_blocks,
+               config_fields=fields)
+
   @parameterized.parameters(*base.ODD_EPILOGUE_TILINGS)
   def test_odd_epilogue_tilings_split_along_m(self, **tiling):
     """The base case splits N between the warpgroups; this one M."""

@@ -84,6 +84,10 @@ class GatedLinearUnitTest(testing.KernelTestCase):
       ("float16", dict(dtype=jnp.float16, activation="gelu")),
       ("fused_n_off_16_bytes", dict(fused=True, shape=(136, 128, 100))),
       ("one_row", dict(shape=(1, 256, 192), fused=True)),
+      # 12 tiles on 2 blocks, each block's on one ring of slots: 4 K steps
+      # through 2 slots.
+      ("chained_tiles", dict(config=dataclasses.replace(SMALL, chain_tiles=True),
+                             shape=(200, 256, 328))),
       ("default_config_clustered", dict(config=None, shape=(256, 192, 384), blocks=4)),
       # 68 column tiles: more than 66 pairs of SMs, so not clustered.
       ("default_config_one_row", dict(config=None, shape=(1, 64, 8704), blocks=2)),
