@@ -49,6 +49,9 @@ class SearchSpace:
   # with a ragged N would be padded (`TuningConfig.rhs_tile_n`, `cluster_m`).
   rhs_tile_n: tuple[int | None, ...] = (None,)
   cluster_m: tuple[int, ...] = (1,)
+  # One ring of slots across a block's tiles (`TuningConfig.chain_tiles`):
+  # not timed against the default yet, so swept only where asked for.
+  chain_tiles: tuple[bool, ...] = (False,)
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -60,17 +63,18 @@ class SearchSpace:
   def configs(self) -> Iterable[TuningConfig]:
     seen = set()
     for (tm, tn, tk, steps, (em, en), minor, width, wgd, schedule, splits, rhs_tile_n,
-         cluster_m) in itertools.product(
+         cluster_m, chain_tiles) in itertools.product(
         self.tile_m, self.tile_n, self.tile_k, self.max_concurrent_steps, self.epi_tile,
         self.grid_minor_dim, self.grid_tile_width, self.wg_dimension, self.schedule,
-        self.k_splits, self.rhs_tile_n, self.cluster_m):
+        self.k_splits, self.rhs_tile_n, self.cluster_m, self.chain_tiles):
       if schedule == Schedule.PINGPONG:
         wgd = MatmulDimension.N  # No split under ping-pong: one config, not two.
       try:
         config = TuningConfig(tile_m=tm, tile_n=tn, tile_k=tk, max_concurrent_steps=steps,
                               epi_tile_m=em, epi_tile_n=en, grid_minor_dim=minor,
                               grid_tile_width=width, wg_dimension=wgd, schedule=schedule,
-                              k_splits=splits, rhs_tile_n=rhs_tile_n, cluster_m=cluster_m)
+                              k_splits=splits, rhs_tile_n=rhs_tile_n, cluster_m=cluster_m,
+                              chain_tiles=chain_tiles)
       except ValueError:
         continue  # E.g. an epilogue tile that does not divide the tile, or a split ping-pong.
       if config not in seen:

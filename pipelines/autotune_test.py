@@ -246,6 +246,16 @@ class AutotuneTest(absltest.TestCase):
                            ("COOPERATIVE", 64, 1), ("COOPERATIVE", 64, 2),
                            ("PINGPONG", None, 1)])
 
+  def test_chained_tiles_in_the_space(self):
+    """The cooperative schedule takes each chain_tiles value of the space;
+    ping-pong, whose ring always runs across tiles, only the default."""
+    space = autotune.SearchSpace(tile_m=(64,), tile_n=(128,), max_concurrent_steps=(4,),
+                                 epi_tile=((64, 64),), grid_minor_dim=(MatmulDimension.M,),
+                                 grid_tile_width=(8,), wg_dimension=(MatmulDimension.M,),
+                                 chain_tiles=(False, True))
+    self.assertCountEqual([(c.schedule.name, c.chain_tiles) for c in space.configs()],
+                          [("COOPERATIVE", False), ("COOPERATIVE", True), ("PINGPONG", False)])
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -440,7 +440,7 @@ class TuningConfig:
       if self.tile_n % self.rhs_tile_n or self.rhs_tile_n % self.epi_tile_n:
         raise ValueError(f"rhs_tile_n={self.rhs_tile_n} must divide tile_n={self.tile_n} and be "
                          f"a multiple of epi_tile_n={self.epi_tile_n}")
-    for name in ("swap_operands", "transpose_rhs_first"):
+    for name in ("swap_operands", "transpose_rhs_first", "chain_tiles"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
     if self.swap_operands and self.transpose_rhs_first:
@@ -448,7 +448,8 @@ class TuningConfig:
                        "transposed product reads the LHS's rows as its RHS")
     if self.cluster_m not in CLUSTER_SIZES:
       raise ValueError(f"cluster_m={self.cluster_m!r} must be one of {CLUSTER_SIZES}")
-    for name, default in (("rhs_tile_n", None), ("cluster_m", 1)):
+    # Ping-pong's ring of slots already runs across tiles (`chain_tiles`).
+    for name, default in (("rhs_tile_n", None), ("cluster_m", 1), ("chain_tiles", False)):
       if getattr(self, name) != default and self.schedule != Schedule.COOPERATIVE:
         raise ValueError(f"{name}={getattr(self, name)} needs schedule=Schedule.COOPERATIVE, "
                          f"not {self.schedule!r}")

@@ -828,6 +828,10 @@ class BadInputTest(parameterized.TestCase):
       TuningConfig(cluster_m=4)
     with self.assertRaisesRegex(ValueError, "cluster_m=2 needs schedule=Schedule.COOPERATIVE"):
       TuningConfig(cluster_m=2, schedule=Schedule.PINGPONG)
+    with self.assertRaisesRegex(ValueError, "chain_tiles=True needs schedule=Schedule.COOPERATIVE"):
+      TuningConfig(chain_tiles=True, schedule=Schedule.PINGPONG)
+    with self.assertRaisesRegex(ValueError, "chain_tiles=1 must be a bool"):
+      TuningConfig(chain_tiles=1)
 
   def test_operand_swizzles_must_match(self):
     """A K tile narrower than 128 bytes would give the pipelined kernels'

@@ -48,6 +48,9 @@ _RHS_TILE_N = flags.DEFINE_list("rhs_tile_n", None,
                                  "tile's width; 64: one-segment RHS tiles).")
 _CLUSTER_M = flags.DEFINE_list("cluster_m", None,
                                "Override the space's cluster_m values (1, 2: RHS multicast).")
+_CHAIN_TILES = flags.DEFINE_list("chain_tiles", None,
+                                 "Override the space's chain_tiles values (false, true: a "
+                                 "cooperative block's tiles on one ring of slots).")
 _CONFIGS = flags.DEFINE_multi_string(
     "config", [], "Sweep exactly these configs instead of a space: TuningConfig fields, e.g. "
     "schedule=PINGPONG,tile_m=128,tile_n=192; repeat the flag for each.")
@@ -73,6 +76,8 @@ def search_space() -> autotune.SearchSpace | list[TuningConfig]:
       "rhs_tile_n": _RHS_TILE_N.value and tuple(None if v == "None" else int(v)
                                                 for v in _RHS_TILE_N.value),
       "cluster_m": _CLUSTER_M.value and ints(_CLUSTER_M.value),
+      "chain_tiles": _CHAIN_TILES.value and tuple(
+          cli.parse_bool(v, error="--chain_tiles takes true or false") for v in _CHAIN_TILES.value),
   }
   return dataclasses.replace(space, **{k: v for k, v in overrides.items() if v})
 

@@ -32,6 +32,14 @@ def parse_shape(text: str, rank: int = 3) -> tuple[int, ...]:
   return dims
 
 
+def parse_bool(text: str, *, error: str) -> bool:
+  """A flag's or field's boolean, "true" or "false" (any case); anything else
+  raises ValueError with `error` (what was expected, and where)."""
+  if text.lower() not in ("true", "false"):
+    raise ValueError(f"{error}, not {text!r}")
+  return text.lower() == "true"
+
+
 def parse_config[T](cls: type[T], text: str) -> T:
   """Builds dataclass `cls` from "field=value,...": ints, booleans ("true" or
   "false") and enum members by name, each as the field's default is typed."""
@@ -46,10 +54,8 @@ def parse_config[T](cls: type[T], text: str) -> T:
     if isinstance(current, enum.Enum):
       kwargs[name] = type(current)[value]
     elif isinstance(current, bool):  # Before int: a bool is an int.
-      if value.lower() not in ("true", "false"):
-        raise ValueError(f"{cls.__name__}.{name} is a bool: give {name}=true or {name}=false, "
-                         f"not {value!r}")
-      kwargs[name] = value.lower() == "true"
+      kwargs[name] = parse_bool(
+          value, error=f"{cls.__name__}.{name} is a bool: give {name}=true or {name}=false")
     else:
       kwargs[name] = int(value)
   return cls(**kwargs)
