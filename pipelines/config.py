@@ -399,9 +399,10 @@ class TuningConfig:
       Without it the memory warpgroup waits at the end of each tile until
       every slot is released, and the next tile's first loads start only
       then. Takes effect only where a tile's K steps are a multiple of
-      `max_concurrent_steps` (the ring's slots then line up across tiles),
-      outside grouped matmuls and pipeline callbacks. Off by default: it
-      has not been timed against the unchained pipeline.
+      `max_concurrent_steps` (the ring's slots then line up across tiles)
+      and K is static: not in a grouped weight gradient (`ragged_k`) nor
+      under a pipeline callback. Off by default: it has not been timed
+      against the unchained pipeline.
   """
 
   tile_m: int = 128

@@ -135,19 +135,21 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps, delay_release: int,
 
 
 def chains_tiles(config: TuningConfig, k_steps: int, *, delay_release: int,
-                 grouped: bool, ragged_k: bool) -> bool:
+                 ragged_k: bool) -> bool:
   """Whether a block's tiles run their K loops on one ring of operand slots
   (`TuningConfig.chain_tiles`).
 
   The slot of K step kk is kk % max_concurrent_steps in each tile's
   pipeline, so the ring lines up across tiles only when a tile's K steps
-  are a multiple of the slots. Grouped matmuls skip some tiles' pipelines,
-  a ragged K's length is traced (a chained pipeline must be static), and a
-  pipeline callback holds slots past their step (`delay_release`). The
-  blocks of a cluster run the same tiles' worth of K steps in step
+  are a multiple of the slots. A ragged K's length is traced (a chained
+  pipeline must be static), and a pipeline callback holds slots past their
+  step (`delay_release`). A grouped matmul's tiles that skip their K loop
+  (no rows, or only rows past the groups) skip it in every warpgroup, so the
+  ring carries on with the next tile that runs one; and the blocks of a
+  cluster run the same tiles' worth of K steps in step
   (`for_each_work_item`), so their shared slots chain alike.
   """
-  return (config.chain_tiles and not (grouped or ragged_k or delay_release)
+  return (config.chain_tiles and not (ragged_k or delay_release)
           and k_steps % config.max_concurrent_steps == 0)
 
 
@@ -418,8 +420,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
              rows_smem=None, column_scales_smem=None, column_scales_loaded=None,
              out_scales_smem=None):
     wg = lax.axis_index(WG_AXIS)
-    chained = chains_tiles(config, k_steps, delay_release=delay_release, grouped=grouped,
-                           ragged_k=ragged_k)
+    chained = chains_tiles(config, k_steps, delay_release=delay_release, ragged_k=ragged_k)
     if chained:
       pl.when(wg < NUM_COMPUTE_WGS)(lambda: release_all_slots(pipeline_allocs, config))
 

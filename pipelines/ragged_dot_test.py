@@ -100,6 +100,10 @@ class RaggedDotTest(testing.KernelTestCase):
       ("default_config_decode_size_narrow_n", dict(group_sizes=(10, 0, 20, 5), m=64, n=32,
                                                    config=None)),
       ("default_config_no_columns", dict(group_sizes=(10, 0, 20, 5), m=64, n=0, config=None)),
+      # Each block's tiles on one ring of slots (2 K steps through 2), past
+      # tiles that skip their K loop: an empty group's and the rows past the groups.
+      ("chained_tiles", dict(group_sizes=UNEVEN, config=dataclasses.replace(
+          SPLIT_M, chain_tiles=True))),
       # Edge sub-tiles 256 bytes wide go out in two 128-byte column chunks.
       ("wide_epilogue_tiles", dict(group_sizes=UNEVEN, n=256, config=dataclasses.replace(
           SPLIT_M, tile_n=128, epi_tile_n=128))),
