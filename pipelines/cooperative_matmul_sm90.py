@@ -90,9 +90,9 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps, delay_release: int,
   tile_k` of operands that hold all K rows, and `k_steps` may be traced:
   a grouped matmul's ragged K.
 
-  With `chained` (`chains_tiles`), consecutive calls share one ring of slots:
+  With `chained` (`_chains_tiles`), consecutive calls share one ring of slots:
   the memory warpgroup waits for each slot's release, the first call's
-  included (`release_all_slots` makes those), and never for the last
+  included (`_release_all_slots` makes those), and never for the last
   call's releases."""
   def spec(block_shape, index_map, collective_axes=None):
     return plgpu.BlockSpec(block_shape, index_map,
@@ -134,7 +134,7 @@ def _operand_pipeline(config: TuningConfig, dtype, k_steps, delay_release: int,
   )
 
 
-def chains_tiles(config: TuningConfig, k_steps: int, *, delay_release: int,
+def _chains_tiles(config: TuningConfig, k_steps: int, *, delay_release: int,
                  ragged_k: bool) -> bool:
   """Whether a block's tiles run their K loops on one ring of operand slots
   (`TuningConfig.chain_tiles`).
@@ -153,7 +153,7 @@ def chains_tiles(config: TuningConfig, k_steps: int, *, delay_release: int,
           and k_steps % config.max_concurrent_steps == 0)
 
 
-def release_all_slots(pipeline_allocs, config: TuningConfig) -> None:
+def _release_all_slots(pipeline_allocs, config: TuningConfig) -> None:
   """Releases every slot of a chained operand pipeline once, before the
   first tile: its memory warpgroup then finds them free, as a chain's first
   call would otherwise assume by skipping its waits. Runs in each compute
@@ -163,10 +163,10 @@ def release_all_slots(pipeline_allocs, config: TuningConfig) -> None:
     plgpu.barrier_arrive(consumed.at[slot])
 
 
-def await_last_releases(pipeline_allocs, config: TuningConfig) -> None:
+def _await_last_releases(pipeline_allocs, config: TuningConfig) -> None:
   """Waits, after a block's last tile, for the releases of a chained operand
   pipeline's slots that no load waited for: the last tile's last K steps, or
-  `release_all_slots`'s where the block had no tile. Runs in the memory
+  `_release_all_slots`'s where the block had no tile. Runs in the memory
   warpgroup, which must observe every phase of the barriers it waits on
   before they are freed."""
   [consumed] = pipeline_allocs["flat_consumed_barrier_refs"]
@@ -420,9 +420,9 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
              rows_smem=None, column_scales_smem=None, column_scales_loaded=None,
              out_scales_smem=None):
     wg = lax.axis_index(WG_AXIS)
-    chained = chains_tiles(config, k_steps, delay_release=delay_release, ragged_k=ragged_k)
+    chained = _chains_tiles(config, k_steps, delay_release=delay_release, ragged_k=ragged_k)
     if chained:
-      pl.when(wg < NUM_COMPUTE_WGS)(lambda: release_all_slots(pipeline_allocs, config))
+      pl.when(wg < NUM_COMPUTE_WGS)(lambda: _release_all_slots(pipeline_allocs, config))
 
     def work_item(split, m_tile, n_tile, _):
       # A cluster's second block past the last M tile (`for_each_work_item`)
@@ -603,7 +603,7 @@ def emit_cooperative_matmul(lhs_gmem, rhs_gmem, out_gmem, bias_gmem=None, *,
 
     for_each_work_item(config, m_tiles, pl.cdiv(n, cta_n), work_item)
     if chained:
-      pl.when(wg == NUM_COMPUTE_WGS)(lambda: await_last_releases(pipeline_allocs, config))
+      pl.when(wg == NUM_COMPUTE_WGS)(lambda: _await_last_releases(pipeline_allocs, config))
 
   # The last tile's stores must be done reading SMEM before the kernel
   # exits (their GMEM writes complete on their own).
