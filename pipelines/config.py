@@ -401,8 +401,9 @@ class TuningConfig:
       then. Takes effect only where a tile's K steps are a multiple of
       `max_concurrent_steps` (the ring's slots then line up across tiles)
       and K is static: not in a grouped weight gradient (`ragged_k`) nor
-      under a pipeline callback. Off by default: it has not been timed
-      against the unchained pipeline.
+      under a pipeline callback. Off by default: on an H100 it ran 1-2%
+      faster than the unchained pipeline at the same depth, less than a
+      depth that does not divide the K steps can gain.
   """
 
   tile_m: int = 128

@@ -700,7 +700,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   latency where the problem streams a large operand (256x8192x8192 and
   8192x8192x256: 5-11% faster than 4 stages); larger tiles and float32
   partial tiles leave room for fewer. Fewer stages are used where SMEM is
-  short.
+  short. A 128x128 tile whose SMs each run several tiles with K loops under
+  256 steps gets 5 (`_tile_changes_cost_a_sixth_stage`; 2048x5120x5120 on
+  an H100: 1.11x faster than 6).
 
   A K of 32 or less (LoRA ranks) takes one K step as long as K, 16 or 32
   elements, with 64-column epilogue tiles (`_with_short_k_step`; 4096x8x4096:
@@ -841,6 +843,27 @@ def _narrow_config(problem: operands.MatmulProblem, out_dtype) -> TuningConfig:
   return config
 
 
+# The sixth operand stage of a 128x128 CTA tile pays only within one tile's
+# K loop: where each SM runs several tiles, and their K loops are shorter
+# than this many steps, 5 stages ran faster. On an H100 (bf16), fitted on 14
+# problems: 2048x{2048,4096,8192}x5120 (4.8 waves; 32-128 steps) 1.03-1.10x
+# faster on 5 stages, 2048x16384x5120 (256 steps) level, one-wave grids level
+# or slower (256x8192x8192 and 8192x8192x256, the problems that set 6 stages:
+# 2% and 4% slower). Checked on 5 problems that no fit used (1.05-1.09x, and
+# level at 192 steps) and on the models suite's check half (2048x5120x5120:
+# 1.11x); docs/performance-log.md, "A sixth operand stage costs".
+_SIX_STAGES_MIN_STEPS_SEVERAL_TILES = 256
+
+
+def _tile_changes_cost_a_sixth_stage(problem: operands.MatmulProblem,
+                                     tiles: TuningConfig) -> bool:
+  """Whether a 128x128 CTA tile's SMs each run several tiles with K loops
+  too short for a sixth stage to repay its cost at every change of tile."""
+  return ((tiles.cta_tile_m, tiles.cta_tile_n) == (128, 128)
+          and _num_tiles(problem, tiles) > device_facts().sm_count
+          and problem.k // tiles.tile_k < _SIX_STAGES_MIN_STEPS_SEVERAL_TILES)
+
+
 def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
                   cooperative_only: bool) -> TuningConfig:
   """`default_config`'s tiles, split, stages and epilogue tiles, before the
@@ -933,6 +956,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
   # at 4096x80x4096, 6 stages with 64-wide epilogue tiles ran 6% slower than
   # 4 with 128-wide ones.
   deep = ((6, 64), (5, 64)) if splits == 1 and problem.k // tiles.tile_k > 6 else ()
+  if deep and _tile_changes_cost_a_sixth_stage(problem, tiles):
+    deep = deep[1:]
   for steps, epi_tile_n in (*deep, (4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
     config = dataclasses.replace(tiles, max_concurrent_steps=steps,
                                  epi_tile_n=math.gcd(epi_tile_n, tiles.tile_n), k_splits=splits)

@@ -623,10 +623,15 @@ class ConfigChoiceTest(parameterized.TestCase):
                                field))
 
   def test_heuristic_stages(self):
-    """Small unsplit tiles get 6 stages (5 beside float32 staging tiles);
+    """Small unsplit tiles get 6 stages (5 beside float32 staging tiles, and
+    where each SM runs several 128x128 tiles of fewer than 256 K steps);
     split K and large tiles fewer."""
     f16, f32 = jnp.float16, jnp.float32
     for (m, k, n), out_dtype, expected in (((256, 8192, 8192), f16, (128, 128, 1, 6)),
+                                           ((2048, 5120, 5120), f16, (128, 128, 1, 5)),
+                                           # 256 K steps, and one wave of 132 tiles.
+                                           ((2048, 16384, 5120), f16, (128, 128, 1, 6)),
+                                           ((768, 2048, 2816), f16, (128, 128, 1, 6)),
                                            ((16, 8192, 3000), f16, (64, 128, 5, 4)),
                                            ((100, 8192, 3000), f16, (128, 64, 2, 4)),
                                            ((256, 8192, 8192), f32, (128, 128, 1, 5)),
