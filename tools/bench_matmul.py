@@ -16,6 +16,9 @@ back-to-back calls (`tools.gpu_sampling.sustained_run`).
 
     --ws_config=schedule=PINGPONG,tile_m=128,tile_n=128,max_concurrent_steps=3
 
+and `--heuristic_variant` rows of each problem's heuristic config with some fields
+changed, e.g. `--heuristic_variant=max_concurrent_steps=5`.
+
 `--suite=shapes` times the shape classes users have beyond the aligned suite
 (M and N off the tiles, decode-size M, small outputs with a long K, K off 64),
 `--suite=narrow` outputs at most 64 columns wide (N = 16-64), `--suite=models`
@@ -42,6 +45,7 @@ where. Needs a Hopper GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -129,6 +133,10 @@ _SKIP_DONE = flags.DEFINE_string(
 _WS_CONFIGS = flags.DEFINE_multi_string(
     "ws_config", [], "TuningConfig fields for extra warp-specialized rows (besides the "
     "cache/heuristic one); repeat the flag to time several.")
+_HEURISTIC_VARIANTS = flags.DEFINE_multi_string(
+    "heuristic_variant", [], "TuningConfig fields set over each problem's heuristic config "
+    "(e.g. max_concurrent_steps=5), a row each; repeat the flag to time several. Where a "
+    "variant is no valid config of a problem, its row is left out, saying why.")
 
 
 def _peer_matmul():
@@ -179,12 +187,19 @@ def warp_specialized_configs(problem: MatmulProblem, dtype) -> dict[str, TuningC
   `matmul` chooses (the tuning cache, else the heuristic), the heuristic's
   where the cache has an entry, and each `--ws_config`."""
   configs = {WARP_SPECIALIZED: choose_config(problem, dtype)}
+  heuristic_config = default_config(problem, dtype)
   if tuning_cache.lookup(problem, dtype) is not None:
     # The row above takes the cached config; this one shows what a shape
     # outside the cache gets.
-    configs[HEURISTIC] = default_config(problem, dtype)
+    configs[HEURISTIC] = heuristic_config
   for text in _WS_CONFIGS.value:
     configs[f"ours: warp-specialized [{text}]"] = cli.parse_config(TuningConfig, text)
+  for text in _HEURISTIC_VARIANTS.value:
+    try:
+      configs[f"{HEURISTIC} [{text}]"] = dataclasses.replace(
+          heuristic_config, **cli.parse_fields(TuningConfig, text))
+    except ValueError as e:
+      print(f"{problem}: --heuristic_variant={text} left out: {e}")
   return configs
 
 
@@ -349,6 +364,12 @@ def ratio_summary(records: list[dict]) -> list[str]:
 
 def main(argv):
   del argv
+  # An unknown field or value, or a config that cannot be, fails here rather than after
+  # the problems before it were timed.
+  for text in _WS_CONFIGS.value:
+    cli.parse_config(TuningConfig, text)
+  for text in _HEURISTIC_VARIANTS.value:
+    cli.parse_fields(TuningConfig, text)
   if not has_gpu():
     raise SystemExit("bench_matmul needs a Hopper GPU; none is visible to JAX.")
   out_dir = cli.output_dir(_OUT_DIR.value)

@@ -1,6 +1,7 @@
 """What `bench_matmul` compares against, and how it prints its results (no GPU)."""
 
 import contextlib
+import dataclasses
 import io
 
 import jax
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 from absl.testing import absltest, flagsaver, parameterized
 
 from core import testing
-from pipelines import TuningConfig
+from pipelines import TuningConfig, default_config
 from pipelines.matmul import choose_config
 from pipelines.operands import MatmulProblem, OperandLayout
 from tools import bench_matmul, report
@@ -66,6 +67,22 @@ class ConfigsTest(absltest.TestCase):
                      choose_config(problem, jnp.bfloat16))
     self.assertEqual(configs[f"ours: warp-specialized [{EXTRA_CONFIG}]"],
                      TuningConfig(tile_m=64, tile_n=128, max_concurrent_steps=3))
+
+
+  @flagsaver.flagsaver(heuristic_variant=["max_concurrent_steps=5", "epi_tile_n=128"])
+  def test_heuristic_variants_change_each_problems_own_config(self):
+    """A variant row is the heuristic's config of its problem with the given
+    fields; one that is no valid config of a problem (a 128-column epilogue
+    tile on 64-column warpgroup tiles) is left out of that problem only."""
+    wide = MatmulProblem(m=2048, k=5120, n=5120, dtype=jnp.dtype(jnp.bfloat16))
+    narrow = MatmulProblem(m=256, k=2048, n=3072, dtype=jnp.dtype(jnp.bfloat16))
+    for problem, has_wide_epilogue in ((wide, True), (narrow, False)):
+      heuristic = default_config(problem, jnp.bfloat16)
+      configs = bench_matmul.warp_specialized_configs(problem, jnp.bfloat16)
+      self.assertEqual(configs[f"{bench_matmul.HEURISTIC} [max_concurrent_steps=5]"],
+                       dataclasses.replace(heuristic, max_concurrent_steps=5))
+      self.assertEqual(f"{bench_matmul.HEURISTIC} [epi_tile_n=128]" in configs,
+                       has_wide_epilogue, problem)
 
 
 class PrintTest(absltest.TestCase):

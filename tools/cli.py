@@ -43,6 +43,12 @@ def parse_bool(text: str, *, error: str) -> bool:
 def parse_config[T](cls: type[T], text: str) -> T:
   """Builds dataclass `cls` from "field=value,...": ints, booleans ("true" or
   "false") and enum members by name, each as the field's default is typed."""
+  return cls(**parse_fields(cls, text))
+
+
+def parse_fields(cls: type, text: str) -> dict:
+  """The fields "field=value,..." names, as keyword arguments of dataclass
+  `cls` (typed as `parse_config` types them), for `dataclasses.replace`."""
   types = {f.name: f.type for f in dataclasses.fields(cls)}
   defaults = cls()
   kwargs = {}
@@ -58,7 +64,7 @@ def parse_config[T](cls: type[T], text: str) -> T:
           value, error=f"{cls.__name__}.{name} is a bool: give {name}=true or {name}=false")
     else:
       kwargs[name] = int(value)
-  return cls(**kwargs)
+  return kwargs
 
 
 def random_operands(m: int, k: int, n: int, dtype, *, seed: int = 0):

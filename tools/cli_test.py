@@ -35,6 +35,12 @@ class ParseConfigTest(absltest.TestCase):
     self.assertEqual(cli.parse_config(_Settings, "transposed=False"), _Settings())
     self.assertEqual(cli.parse_config(_Settings, ""), _Settings())
 
+  def test_fields_alone_for_a_replace(self):
+    self.assertEqual(cli.parse_fields(_Settings, "steps=8,transposed=true"),
+                     dict(steps=8, transposed=True))
+    with self.assertRaisesRegex(ValueError, "has no field 'stages'"):
+      cli.parse_fields(_Settings, "stages=4")
+
   def test_errors_name_the_field(self):
     with self.assertRaisesRegex(ValueError, "has no field 'stages'"):
       cli.parse_config(_Settings, "stages=4")
