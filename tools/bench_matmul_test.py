@@ -68,7 +68,6 @@ class ConfigsTest(absltest.TestCase):
     self.assertEqual(configs[f"ours: warp-specialized [{EXTRA_CONFIG}]"],
                      TuningConfig(tile_m=64, tile_n=128, max_concurrent_steps=3))
 
-
   @flagsaver.flagsaver(heuristic_variant=["max_concurrent_steps=5", "epi_tile_n=128"])
   def test_heuristic_variants_change_each_problems_own_config(self):
     """A variant row is the heuristic's config of its problem with the given
