@@ -634,7 +634,7 @@ def _with_rhs_in_place(config: TuningConfig, problem: operands.MatmulProblem,
 
 
 def default_config(problem: operands.MatmulProblem, out_dtype, *,
-                   cooperative_only: bool = False) -> TuningConfig:
+                   cooperative_only: bool = False, grouped: bool = False) -> TuningConfig:
   """A sound config without tuning.
 
   The sweeps on an H200 (docs/performance-log.md, "Sweeps") favour a 128x256 CTA tile made of two
@@ -702,7 +702,9 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   partial tiles leave room for fewer. Fewer stages are used where SMEM is
   short. A 128x128 tile whose SMs each run several tiles with K loops under
   256 steps gets 5 (`_tile_changes_cost_a_sixth_stage`; 2048x5120x5120 on
-  an H100: 1.11x faster than 6).
+  an H100: 1.11x faster than 6). A 64x128 tile in one wave with K loops of
+  at most 64 steps gets 4 (`_one_wave_tile_takes_four_stages`; 256x2304x4096
+  on an H100: 1.07x faster than 6).
 
   A K of 32 or less (LoRA ranks) takes one K step as long as K, 16 or 32
   elements, with 64-column epilogue tiles (`_with_short_k_step`; 4096x8x4096:
@@ -729,17 +731,24 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
     out_dtype: the output dtype (the SMEM of the epilogue tiles).
     cooperative_only: never the ping-pong schedule nor the transposed
       product, for kernels that run only the cooperative one on the problem
-      as given (the grouped matmul, the quantized output).
+      as given (the quantized output).
+    grouped: the config of a grouped matmul (`ragged_dot`) for its dense
+      problem of all rows: cooperative only, and without the one-wave depth
+      rule (`_one_wave_tile_takes_four_stages`), since a grouped grid has a
+      work item per table entry (or group) and output tile, more than the
+      dense problem's tiles.
   """
+  cooperative_only = cooperative_only or grouped
   if not cooperative_only and _runs_transposed(problem):
     return dataclasses.replace(default_config(problem.transposed_product(), jnp.float32),
                                swap_operands=True)
   if not cooperative_only and _transposes_rhs_first(problem):
     return dataclasses.replace(default_config(problem.with_rhs_transposed(), out_dtype),
                                transpose_rhs_first=True)
-  config = _finished_config(problem, out_dtype, cooperative_only=cooperative_only)
+  config = _finished_config(problem, out_dtype, cooperative_only=cooperative_only,
+                            grouped=grouped)
   if config.schedule == Schedule.PINGPONG:
-    cooperative = _finished_config(problem, out_dtype, cooperative_only=True)
+    cooperative = _finished_config(problem, out_dtype, cooperative_only=True, grouped=False)
     if problem.k <= max(_SHORT_K_STEPS) and cooperative.tile_k < config.tile_k:
       return cooperative  # One short K step (`_SHORT_K_STEPS`).
     # Ping-pong's tiles have no one-segment RHS tiles nor clusters, so where
@@ -804,9 +813,10 @@ def quantized_output_config(problem: operands.MatmulProblem) -> TuningConfig:
 
 
 def _finished_config(problem: operands.MatmulProblem, out_dtype, *,
-                     cooperative_only: bool) -> TuningConfig:
+                     cooperative_only: bool, grouped: bool) -> TuningConfig:
   """`default_config` before ping-pong is weighed against the cooperative choice's copies."""
-  config = _with_rhs_in_place(_tiled_config(problem, out_dtype, cooperative_only=cooperative_only),
+  config = _with_rhs_in_place(_tiled_config(problem, out_dtype, cooperative_only=cooperative_only,
+                                            grouped=grouped),
                               problem, out_dtype)
   config = _with_unpadded_output(config, problem, out_dtype)
   config = _with_short_k_step(config, problem, out_dtype)
@@ -864,8 +874,28 @@ def _tile_changes_cost_a_sixth_stage(problem: operands.MatmulProblem,
           and problem.k // tiles.tile_k < _SIX_STAGES_MIN_STEPS_SEVERAL_TILES)
 
 
+# A 64x128 CTA tile in a grid of one wave ran faster on 4 operand stages than
+# on 5 or 6, up to this many K steps (the fit's longest loop; 128x128 tiles in
+# one wave lost 6-8% on 4 stages at 128 steps). On an H100 (bf16), fitted on 8
+# problems: the 7 in one wave (M 1-320, 22-64 steps) 1.02-1.08x faster; at
+# 448x6144x4352 (238 tiles) 4 stages ran 12% slower, so several waves keep 6.
+# Checked on 11 problems that no fit used: 1.01-1.08x on 10 (the models
+# suite's check half's four also in f16: 1.07-1.08x), 0.965x at 96x2560x6144;
+# docs/performance-log.md, "Four operand stages for 64x128 tiles".
+_FOUR_STAGES_MAX_STEPS_ONE_WAVE = 64
+
+
+def _one_wave_tile_takes_four_stages(problem: operands.MatmulProblem,
+                                     tiles: TuningConfig) -> bool:
+  """Whether a 64x128 CTA tile's grid is one wave at most, with K loops short
+  enough that stages past 4 cost more than they hide."""
+  return ((tiles.cta_tile_m, tiles.cta_tile_n) == (64, 128)
+          and _num_tiles(problem, tiles) <= device_facts().sm_count
+          and problem.k // tiles.tile_k <= _FOUR_STAGES_MAX_STEPS_ONE_WAVE)
+
+
 def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
-                  cooperative_only: bool) -> TuningConfig:
+                  cooperative_only: bool, grouped: bool) -> TuningConfig:
   """`default_config`'s tiles, split, stages and epilogue tiles, before the
   changes that spare a padding copy (`_with_unpadded_output`,
   `_with_one_segment_k_step`)."""
@@ -958,6 +988,8 @@ def _tiled_config(problem: operands.MatmulProblem, out_dtype, *,
   deep = ((6, 64), (5, 64)) if splits == 1 and problem.k // tiles.tile_k > 6 else ()
   if deep and _tile_changes_cost_a_sixth_stage(problem, tiles):
     deep = deep[1:]
+  if not grouped and _one_wave_tile_takes_four_stages(problem, tiles):
+    deep = ()
   for steps, epi_tile_n in (*deep, (4, 128), (3, 128), (4, 64), (3, 64), (2, 64)):
     config = dataclasses.replace(tiles, max_concurrent_steps=steps,
                                  epi_tile_n=math.gcd(epi_tile_n, tiles.tile_n), k_splits=splits)

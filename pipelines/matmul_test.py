@@ -624,8 +624,9 @@ class ConfigChoiceTest(parameterized.TestCase):
 
   def test_heuristic_stages(self):
     """Small unsplit tiles get 6 stages (5 beside float32 staging tiles, and
-    where each SM runs several 128x128 tiles of fewer than 256 K steps);
-    split K and large tiles fewer."""
+    where each SM runs several 128x128 tiles of fewer than 256 K steps; 4 for
+    64x128 tiles in one wave of at most 64 K steps); split K and large tiles
+    fewer."""
     f16, f32 = jnp.float16, jnp.float32
     for (m, k, n), out_dtype, expected in (((256, 8192, 8192), f16, (128, 128, 1, 6)),
                                            ((2048, 5120, 5120), f16, (128, 128, 1, 5)),
@@ -635,7 +636,11 @@ class ConfigChoiceTest(parameterized.TestCase):
                                            ((16, 8192, 3000), f16, (64, 128, 5, 4)),
                                            ((100, 8192, 3000), f16, (128, 64, 2, 4)),
                                            ((256, 8192, 8192), f32, (128, 128, 1, 5)),
-                                           ((512, 4096, 2048), f16, (64, 128, 1, 6)),
+                                           # One wave of 64x128 tiles, 64 or 96 K steps.
+                                           ((256, 2304, 4096), f16, (64, 128, 1, 4)),
+                                           ((512, 4096, 2048), f16, (64, 128, 1, 4)),
+                                           ((320, 6144, 3072), f16, (64, 128, 1, 6)),
+                                           ((448, 6144, 4352), f16, (64, 128, 1, 6)),  # 238 tiles.
                                            ((128, 8192, 8192), f16, (128, 128, 2, 4)),
                                            ((4096, 4096, 4096), f16, (128, 256, 1, 3))):
       problem = ops.MatmulProblem(m=m, k=k, n=n, dtype=jnp.dtype(f16))

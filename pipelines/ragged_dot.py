@@ -49,7 +49,7 @@ def default_config(problem: operands.MatmulProblem, out_dtype, *,
   `problem` is its dense (K, all M rows, N) TN product, and the warpgroups
   split the output's rows (each zeroes the other groups' rows in its own
   LHS columns)."""
-  config = dataclasses.replace(heuristic.default_config(problem, out_dtype, cooperative_only=True),
+  config = dataclasses.replace(heuristic.default_config(problem, out_dtype, grouped=True),
                                k_splits=1, cluster_m=1)
   if ragged_k:
     config = dataclasses.replace(config, wg_dimension=MatmulDimension.M)

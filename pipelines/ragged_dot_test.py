@@ -279,6 +279,20 @@ class RaggedDotTest(testing.KernelTestCase):
     self.assertEqual((grouped.cta_tile_m, grouped.cta_tile_n), (dense.cta_tile_m, dense.cta_tile_n))
     self.assertEqual(grouped.max_concurrent_steps, dense.max_concurrent_steps)
 
+  def test_default_config_counts_no_waves_of_the_dense_problem(self):
+    """The dense heuristic gives a one-wave grid of 64x128 tiles 4 stages
+    (Mixtral's experts at 32 tokens: 112 tiles); the grouped kernel runs a
+    work item per expert and tile (896 here), so it keeps the depth of a
+    grid of several waves."""
+    problem = operands.check_operands(jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16),
+                                      jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16),
+                                      operands.NN)
+    dense = heuristic.default_config(problem, jnp.bfloat16, cooperative_only=True)
+    grouped = grouped_default_config(problem, jnp.bfloat16)
+    self.assertEqual((dense.cta_tile_m, dense.cta_tile_n, dense.max_concurrent_steps), (64, 128, 4))
+    self.assertEqual((grouped.cta_tile_m, grouped.cta_tile_n, grouped.max_concurrent_steps),
+                     (64, 128, 6))
+
   @parameterized.product(m=[1, 64, 65, 4096], n=[8, 16, 32, 64, 100],
                          out_dtype=[jnp.bfloat16, jnp.float32])
   def test_default_config_runs_on_the_grouped_kernel(self, m, n, out_dtype):
