@@ -13,7 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import core
 from core import compiler, device, interpret, memory, smem_budget, testing, timing
-from core.numerics import relative_error
+from core.numerics import relative_error, relative_error_on_device
 
 
 class DeviceFactsTest(absltest.TestCase):
@@ -309,6 +309,19 @@ class NumericsTest(absltest.TestCase):
     self.assertEqual(relative_error(ref.at[0].set(jnp.nan), ref), float("inf"))
     with self.assertRaisesRegex(ValueError, "shape mismatch"):
       relative_error(ref[:2], ref)
+
+  def test_relative_error_on_device_is_the_host_ones(self):
+    """The benchmarks' error (float32, where the arrays live) against the
+    float64 one on the host: the same to float32's precision, inf for any
+    non-finite element of the output, of a 16-bit output too."""
+    ref = jax.random.normal(jax.random.key(0), (1000, 300), jnp.float32)
+    out = (ref + 1e-3 * jax.random.normal(jax.random.key(1), ref.shape)).astype(jnp.bfloat16)
+    self.assertAlmostEqual(relative_error_on_device(out, ref) / relative_error(out, ref), 1.0,
+                           places=5)
+    for bad in (jnp.nan, jnp.inf):
+      self.assertEqual(relative_error_on_device(out.at[7, 3].set(bad), ref), float("inf"))
+    with self.assertRaisesRegex(ValueError, "shape mismatch"):
+      relative_error_on_device(out[:2], ref)
 
 
 class CompareRoundsTest(absltest.TestCase):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from core.numerics import relative_error
+from core.numerics import relative_error_on_device
 
 DEFAULT_ITERATIONS = 50
 
@@ -136,9 +136,11 @@ def time_in_rounds(impls: dict[str, Callable], args: Sequence, *, flops: int, ba
   """Times `impls` taking turns for `rounds` rounds (`time_gpu`), each against `baseline`.
 
   Returns one record per implementation: `kernel` (its name), `compile_s`, `rel_error`
-  (the largest over its outputs' leaves against `reference`'s) and `compare_rounds`'s
-  summary with the ratio under `ratio_to_dot`; or `kernel` and `error` for one that
-  raised, which is not timed again and does not stop the others.
+  (the largest over its outputs' leaves against `reference`'s, worked out in float32
+  where the arrays live: a float64 copy on the host took seconds for an output of 10^8
+  elements) and `compare_rounds`'s summary with the ratio under `ratio_to_dot`; or
+  `kernel` and `error` for one that raised, which is not timed again and does not stop
+  the others.
   """
   timings = {name: [] for name in impls}
   records = {}
@@ -153,7 +155,7 @@ def time_in_rounds(impls: dict[str, Callable], args: Sequence, *, flops: int, ba
         continue
       timings[name].append(t)
       if name not in records:
-        error = max(relative_error(o, r) for o, r in zip(jax.tree.leaves(out),
+        error = max(relative_error_on_device(o, r) for o, r in zip(jax.tree.leaves(out),
                                                          jax.tree.leaves(reference), strict=True))
         records[name] = dict(kernel=name, compile_s=t.compile_s, rel_error=error)
   for name, record in records.items():

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 
 from core import timing
-from core.numerics import RELATIVE_TOLERANCE, relative_error
+from core.numerics import RELATIVE_TOLERANCE, relative_error_on_device
 from pipelines import kernel_call, operands, tuning_cache
 from pipelines.config import MatmulDimension, Schedule, TuningConfig
 from pipelines.heuristic import default_config
@@ -216,7 +216,7 @@ def tune(lhs: jax.Array, rhs: jax.Array, *, out_dtype=None,
     def run(a, b, config=config):
       return kernel_call.ws_matmul(a, b, config=config, out_dtype=out_dtype, layout=layout)
     try:
-      err = relative_error(run(lhs, rhs), reference)
+      err = relative_error_on_device(run(lhs, rhs), reference)
       if not err <= tolerance:
         results.append(Candidate(config=config, median_us=None,
                                  reason=f"wrong result: relative error {err:.2e} > {tolerance}"))

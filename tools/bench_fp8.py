@@ -74,7 +74,7 @@ import jax.numpy as jnp
 from absl import flags
 
 from core import has_gpu, timing
-from core.numerics import relative_error
+from core.numerics import relative_error_on_device
 from pipelines import (
     Fp8Config,
     dequantize_fp8,
@@ -318,7 +318,7 @@ def precision_records(k_values: list[int], m: int = 1024, n: int = 1024) -> list
       out = jax.jit(fn)(*args)
       records.append(dict(
           kernel=f"precision: {name}", shape=f"{m}x{k}x{n}", layout="NN",
-          dtype="float8_e4m3fn", rel_error=float(relative_error(out, exact)),
+          dtype="float8_e4m3fn", rel_error=relative_error_on_device(out, exact),
           magnitude_error=float(jnp.max(jnp.abs(out - exact) / magnitudes))))
   return records
 

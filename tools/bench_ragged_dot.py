@@ -46,7 +46,7 @@ import numpy as np
 from absl import flags
 
 from core import has_gpu
-from core.numerics import relative_error
+from core.numerics import relative_error_on_device
 from core.timing import time_gpu
 from pipelines import matmul, operands, ragged_dot
 from pipelines.ragged_dot import default_config, weight_gradient
@@ -295,7 +295,7 @@ def bench_layer(layer: MoeLayer, routing: str, impls: list[str], passes: list[st
       times[impl] = timing
       if pass_ == "forward" and impl != "dense":
         reference = want["dense" if impl == "ours_dense" else "grouped"]
-        errors[impl] = float(relative_error(out, reference))
+        errors[impl] = relative_error_on_device(out, reference)
       extra = dict(config=base_config) if impl == "jax_mgpu" else {}
       records.append(dict(base, impl=impl, **{"pass": pass_}, median_us=timing.median_us,
                           tflops=timing.tflops, rel_error=errors.get(impl), **extra))
@@ -336,7 +336,7 @@ def _bench_weight_gradient(layer: MoeLayer, lhs, g, sizes, impls: list[str], ite
       records.append(dict(record, error=f"{type(e).__name__}: {e}"[:300]))
       continue
     times[impl] = timing
-    error = None if impl == "dense" else float(relative_error(out, want))
+    error = None if impl == "dense" else relative_error_on_device(out, want)
     records.append(dict(record, median_us=timing.median_us, tflops=timing.tflops,
                         rel_error=error))
   if "dense" in times:
