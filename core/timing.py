@@ -155,8 +155,8 @@ def time_in_rounds(impls: dict[str, Callable], args: Sequence, *, flops: int, ba
         continue
       timings[name].append(t)
       if name not in records:
-        error = max(relative_error_on_device(o, r) for o, r in zip(jax.tree.leaves(out),
-                                                         jax.tree.leaves(reference), strict=True))
+        error = max(relative_error_on_device(o, r)
+                    for o, r in zip(jax.tree.leaves(out), jax.tree.leaves(reference), strict=True))
         records[name] = dict(kernel=name, compile_s=t.compile_s, rel_error=error)
   for name, record in records.items():
     if "error" not in record and timings[baseline]:
